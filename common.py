@@ -342,8 +342,6 @@ def render_prompt(task: Task, problem: Problem, tokenizer: Any = None, chat_temp
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-_FORMAT = re.compile(r"^<think>.*?</think>\n<answer>.*?</answer>$", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _EQUATION = re.compile(r"[0-9+\-*/() ]+")  # ASCII digits only: `\d` would admit unicode digits
 
 
@@ -351,18 +349,39 @@ def score(task: Task, problem: Problem, completion: str) -> tuple[float, bool]:
     """(reward, correct) for the completion only. Countdown: 0.1·format + answer; GSM8K/MATH: 1 / 0.1 boxed / 0."""
     if task == "countdown":
         text = "<think>" + completion  # the prompt ends with "<think>"
-        fmt = 1.0 if _FORMAT.match(text) else 0.1 * ("<think>" in text and "</think>" in text.split("<think>", 1)[1]) \
-            + 0.5 * bool(_ANSWER.search(text))
-        answers = _ANSWER.findall(text)
-        correct = bool(answers) and _countdown_correct(answers[-1], problem)
-        return 0.1 * fmt + float(correct), correct
+        answer = _last_answer(text)
+        correct = answer is not None and _countdown_correct(answer, problem)
+        return 0.1 * _countdown_format(text) + float(correct), correct
     boxed = _last_boxed(completion)
     if task == "gsm8k":
-        pred = boxed if boxed is not None else (_NUMBER.findall(completion) or [None])[-1]
-        correct = _to_float(pred) is not None and abs(_to_float(pred) - float(problem.answer)) < 1e-6
+        pred = _to_float(boxed if boxed is not None else (_NUMBER.findall(completion) or [None])[-1])
+        correct = pred is not None and abs(pred - float(problem.answer)) < 1e-6
     else:
         correct = _math_equal(problem.answer, completion)
     return (1.0 if correct else 0.1 if boxed is not None else 0.0), correct
+
+
+def _countdown_format(text: str) -> float:
+    """1.0 iff `^<think>.*?</think>\\n<answer>.*?</answer>$` (DOTALL) matches the whole text, else 0.1 if a
+    <think>…</think> pair appears + 0.5 if an <answer>…</answer> pair appears. Written with str.find rather than
+    that regex: the same result, in linear time on hostile input (the regex is quadratic on repeated tags)."""
+    body = text[:-1] if text.endswith("\n") else text  # `$` also matches before a final newline
+    middle = body.find("</think>\n<answer>", len("<think>"))  # the earliest split is the best candidate
+    if body.startswith("<think>") and body.endswith("</answer>") and 0 <= middle <= len(body) - 26:
+        return 1.0  # 26 = len("</think>\n<answer></answer>"): the middle tags and the closing tag don't overlap
+    return 0.1 * _has_pair(text, "<think>", "</think>") + 0.5 * _has_pair(text, "<answer>", "</answer>")
+
+
+def _has_pair(text: str, open_tag: str, close_tag: str) -> bool:
+    start = text.find(open_tag)
+    return start >= 0 and text.find(close_tag, start + len(open_tag)) >= 0
+
+
+def _last_answer(text: str) -> Optional[str]:
+    """Content of the last <answer>…</answer> pair (None if there is none)."""
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, max(end, 0))
+    return text[start + len("<answer>"):end] if end >= 0 and start >= 0 else None
 
 
 def _countdown_correct(equation: str, problem: Problem) -> bool:
@@ -425,8 +444,8 @@ def _math_equal(gold: str, completion: str) -> bool:
 def extract_answer(task: Task, completion: str) -> Optional[str]:
     """A normalized final answer string for majority voting (None if there is none)."""
     if task == "countdown":
-        answers = _ANSWER.findall("<think>" + completion)
-        return re.sub(r"\s+", "", answers[-1]) if answers else None
+        answer = _last_answer(completion)
+        return None if answer is None else re.sub(r"\s+", "", answer)
     boxed = _last_boxed(completion)
     if task == "gsm8k":
         value = _to_float(boxed if boxed is not None else (_NUMBER.findall(completion) or [None])[-1])

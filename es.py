@@ -39,7 +39,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import numpy as np
 import tyro
@@ -128,7 +128,11 @@ def zscore(rewards: np.ndarray) -> np.ndarray:
     return (rewards - rewards.mean()) / (rewards.std() + 1e-8)
 
 
-def evaluate_population(policy: HFPolicy, prompts: list[str], problems: list[Problem], seeds: list[int],
+RewardFn = Callable[[int, str], tuple[float, bool]]
+"""(prompt index, completion text) -> (reward, correct)."""
+
+
+def evaluate_population(policy: HFPolicy, prompts: list[str], reward_fn: RewardFn, seeds: list[int],
                         signs: np.ndarray, args: Args, t: int) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
     """Rewards and correctness (N, P) of every member on the same prompts; restores θ after each member."""
     rewards, correct = np.zeros((len(seeds), len(prompts))), np.zeros((len(seeds), len(prompts)))
@@ -140,13 +144,41 @@ def evaluate_population(policy: HFPolicy, prompts: list[str], problems: list[Pro
         samples = policy.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   seed=derive_seed(args.seed, "sample", t, n))
         for x in samples:
-            rewards[n, x.prompt_index], correct[n, x.prompt_index] = score(args.task, problems[x.prompt_index], x.text)
+            rewards[n, x.prompt_index], correct[n, x.prompt_index] = reward_fn(x.prompt_index, x.text)
             tokens += len(x.token_ids)
         t2 = time.perf_counter()
         policy.restore()  # exact: θ = cast(master)
         times["perturb"] += t1 - t0 + time.perf_counter() - t2
         times["rollout"] += t2 - t1
     return rewards, correct, {**times, "tokens": tokens}
+
+
+def es_step(policy: HFPolicy, prompts: list[str], reward_fn: RewardFn, args: Args, t: int) -> dict[str, float]:
+    """One ES iteration on these prompts: evaluate N members, z-score their rewards, update the master θ."""
+    # 1. member seeds, derived from (--seed, t, n): nothing else is needed to regenerate ε_n anywhere
+    seeds, signs = member_seeds(args.seed, t, args.pop, args.antithetic)
+
+    # 2. evaluate the population: every member on the same prompts
+    rewards, correct, perf = evaluate_population(policy, prompts, reward_fn, seeds, signs, args, t)
+    member_rewards = rewards.mean(1)  # R_n, (N,)
+
+    # 3. normalize: population z-score; equal rewards carry no information, so no update (and no NaN)
+    skip = member_rewards.std() == 0
+    z = zscore(member_rewards)
+
+    # 4. update the fp32 master: θ ← θ + α/N · Σ_n Z_n·sign_n·ε(s_n)
+    t_update = time.perf_counter()
+    update_norm = 0.0 if skip else policy.add_noise(seeds, z * signs, scale=args.alpha / args.pop)
+    if args.awd_lambda > 0:  # anchored weight decay, L2 form: θ ← θ₀ + (1 − αλ)(θ − θ₀)
+        policy.shrink_to_base(1 - args.alpha * args.awd_lambda)
+    t_update = time.perf_counter() - t_update
+
+    js, coverage = js_diversity(correct)
+    return {"train/reward_mean": float(member_rewards.mean()), "train/reward_std": float(member_rewards.std()),
+            "train/reward_max": float(member_rewards.max()), "train/accuracy": float(correct.mean()),
+            "es/js_succ_bits": js, "es/coverage": coverage, "es/update_norm": update_norm, "es/skipped": int(skip),
+            "perf/rollout_s": perf["rollout"], "perf/perturb_s": perf["perturb"], "perf/update_s": t_update,
+            "perf/tokens_per_s": perf["tokens"] / max(perf["rollout"], 1e-9)}
 
 
 def evaluate(policy: HFPolicy, problems: list[Problem], args: Args) -> dict[str, float]:
@@ -187,38 +219,14 @@ def main(args: Args) -> Path:
     bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="es", unit="it")
     for t in bar:
         t_start = time.perf_counter()
-        # 1. sample member seeds and this iteration's prompts (both derived from --seed and t)
-        seeds, signs = member_seeds(args.seed, t, args.pop, args.antithetic)
+        # this iteration's prompts, sampled without replacement (derived from --seed and t)
         rng = np.random.default_rng(derive_seed(args.seed, "prompts", t))
         batch = rng.choice(len(train), min(args.prompts_per_iter, len(train)), replace=False)
+        row = {"iteration": t + 1, **es_step(policy, [prompts[i] for i in batch],
+                                             lambda i, text: score(args.task, train[batch[i]], text), args, t)}
+        row.update({"es/d_rel": policy.drift(), "perf/iteration_s": time.perf_counter() - t_start})
 
-        # 2. evaluate the population: every member on the same prompts
-        rewards, correct, perf = evaluate_population(policy, [prompts[i] for i in batch], [train[i] for i in batch],
-                                                     seeds, signs, args, t)
-        member_rewards = rewards.mean(1)  # R_n, (N,)
-
-        # 3. normalize: population z-score
-        skip = member_rewards.std() == 0  # every member scored the same: no information, no update
-        z = zscore(member_rewards)
-
-        # 4. update the fp32 master: θ ← θ + α/N · Σ_n Z_n·sign_n·ε(s_n)
-        t_update = time.perf_counter()
-        update_norm = 0.0 if skip else policy.add_noise(seeds, z * signs, scale=args.alpha / args.pop)
-        if args.awd_lambda > 0:  # anchored weight decay, L2 form
-            policy.shrink_to_base(1 - args.alpha * args.awd_lambda)
-        t_done = time.perf_counter()
-
-        # 5. log
-        js, coverage = js_diversity(correct)
-        row = {"iteration": t + 1, "train/reward_mean": float(member_rewards.mean()),
-               "train/reward_std": float(member_rewards.std()), "train/reward_max": float(member_rewards.max()),
-               "train/accuracy": float(correct.mean()), "es/js_succ_bits": js, "es/coverage": coverage,
-               "es/d_rel": policy.drift(), "es/update_norm": update_norm, "es/skipped": int(skip),
-               "perf/rollout_s": perf["rollout"], "perf/perturb_s": perf["perturb"], "perf/update_s": t_done - t_update,
-               "perf/tokens_per_s": perf["tokens"] / max(perf["rollout"], 1e-9),
-               "perf/iteration_s": time.perf_counter() - t_start}
-
-        # 6. evaluate the center and checkpoint
+        # 5. evaluate the center θ, log, checkpoint
         if args.eval_every > 0 and ((t + 1) % args.eval_every == 0 or t + 1 == args.iterations):
             row.update(evaluate(policy, test, args))
         log_metrics(run, row)
