@@ -252,8 +252,8 @@ def update(policy: HFPolicy, optimizer: torch.optim.Optimizer, ref_model: Option
         sums["grad_norm"] += float(grad_norm) / args.num_iterations
     model.eval()
     passes = num_tokens * args.num_iterations
-    return {"grpo/loss": sums["loss"], "grpo/entropy": sums["entropy"] / num_tokens,
-            "grpo/clip_frac": sums["clip"] / passes, "grpo/kl": sums["kl"] / passes, "grpo/grad_norm": sums["grad_norm"]}
+    return {"grpo/loss": sums["loss"], "grpo/entropy": sums["entropy"] / num_tokens, "grpo/clip_frac": sums["clip"] / passes,
+            "grpo/kl": sums["kl"] / passes, "grpo/grad_norm": sums["grad_norm"]}
 
 
 def main(args: Args) -> Path:
