@@ -24,10 +24,10 @@ import shutil
 import subprocess
 import sys
 import threading
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal, NoReturn, Optional, Sequence
+from typing import Any, Literal, NoReturn, Optional, Sequence, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -474,6 +474,29 @@ def init_run(out_dir: str, args: Any, resume: bool = False) -> Path:
     return run
 
 
+ArgsT = TypeVar("ArgsT")
+
+
+def resume_args(args: ArgsT) -> ArgsT:
+    """Saved args of the run in `args.resume`, overridden by every field given here that differs from its default."""
+    if not (Path(args.resume) / "args.json").is_file():
+        die(f"--resume {args.resume}: no args.json there")
+    saved = json.loads((Path(args.resume) / "args.json").read_text())["args"]
+    defaults = type(args)()
+    changed = {k: v for k, v in asdict(args).items() if v != getattr(defaults, k)}
+    return replace(type(args)(**{**saved, **changed}), out_dir=args.resume)
+
+
+def evaluate(policy: Any, task: Task, problems: list[Problem], max_new_tokens: int,
+             chat_template: bool) -> dict[str, float]:
+    """Greedy reward and accuracy of the current weights on held-out problems (the same protocol for every script)."""
+    prompts = [render_prompt(task, p, policy.tokenizer, chat_template) for p in problems]
+    samples = policy.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
+    scored = [score(task, problems[x.prompt_index], x.text) for x in samples]
+    return {"eval/reward": sum(r for r, _ in scored) / max(len(scored), 1),
+            "eval/accuracy": sum(c for _, c in scored) / max(len(scored), 1)}
+
+
 def log_metrics(run: Path, row: dict[str, Any]) -> None:
     with open(run / "metrics.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -487,13 +510,17 @@ def truncate_metrics(run: Path, step_key: str, last_step: int) -> None:
         file.write_text("".join(r + "\n" for r in rows))
 
 
-def save_checkpoint(run: Path, step: int, policy: Any, state: dict[str, Any]) -> Path:
-    """run/checkpoints/step_{step:06d}: a `from_pretrained` folder + state.json, written to a temp dir and renamed."""
+def save_checkpoint(run: Path, step: int, policy: Any, state: dict[str, Any],
+                    optimizer: Optional[torch.optim.Optimizer] = None) -> Path:
+    """run/checkpoints/step_{step:06d}: a `from_pretrained` folder + state.json (+ optimizer.pt), written to a temp
+    dir and renamed."""
     final = run / "checkpoints" / f"step_{step:06d}"
     tmp = run / "checkpoints" / f".tmp-step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     policy.save(tmp)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

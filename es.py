@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -45,8 +45,8 @@ import numpy as np
 import tyro
 from tqdm import tqdm
 
-from common import (EMBEDDED_MODEL, HFPolicy, Problem, Task, derive_seed, die, init_run, latest_checkpoint,
-                    load_task, log_metrics, render_prompt, save_checkpoint, score, truncate_metrics)
+from common import (EMBEDDED_MODEL, HFPolicy, Problem, Task, derive_seed, die, evaluate, init_run, latest_checkpoint,
+                    load_task, log_metrics, render_prompt, resume_args, save_checkpoint, score, truncate_metrics)
 
 
 @dataclass
@@ -181,25 +181,8 @@ def es_step(policy: HFPolicy, prompts: list[str], reward_fn: RewardFn, args: Arg
             "perf/tokens_per_s": perf["tokens"] / max(perf["rollout"], 1e-9)}
 
 
-def evaluate(policy: HFPolicy, problems: list[Problem], args: Args) -> dict[str, float]:
-    """Greedy reward and accuracy of the center θ on held-out problems."""
-    prompts = [render_prompt(args.task, p, policy.tokenizer, args.chat_template) for p in problems]
-    samples = policy.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=0.0)
-    scored = np.array([score(args.task, problems[x.prompt_index], x.text) for x in samples])
-    return {"eval/reward": float(scored[:, 0].mean()), "eval/accuracy": float(scored[:, 1].mean())}
-
-
-def resume_args(args: Args) -> Args:
-    """The saved args of the run in --resume, overridden by every flag given here that differs from its default."""
-    saved = json.loads((Path(args.resume) / "args.json").read_text())["args"]
-    changed = {k: v for k, v in asdict(args).items() if v != getattr(Args(), k)}
-    return replace(Args(**{**saved, **changed}), out_dir=args.resume)
-
-
 def main(args: Args) -> Path:
     if args.resume:
-        if not (Path(args.resume) / "args.json").is_file():
-            die(f"--resume {args.resume}: no args.json there")
         args = resume_args(args)
     if args.antithetic and args.pop % 2:
         die(f"--antithetic needs an even --pop, got {args.pop}")
@@ -215,7 +198,8 @@ def main(args: Args) -> Path:
     prompts = [render_prompt(args.task, p, policy.tokenizer, args.chat_template) for p in train]
 
     if start == 0 and args.eval_every > 0:
-        log_metrics(run, {"iteration": 0, **evaluate(policy, test, args)})
+        log_metrics(run, {"iteration": 0, **evaluate(policy, args.task, test, args.max_new_tokens,
+                                                     args.chat_template)})
     bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="es", unit="it")
     for t in bar:
         t_start = time.perf_counter()
@@ -228,7 +212,7 @@ def main(args: Args) -> Path:
 
         # 5. evaluate the center θ, log, checkpoint
         if args.eval_every > 0 and ((t + 1) % args.eval_every == 0 or t + 1 == args.iterations):
-            row.update(evaluate(policy, test, args))
+            row.update(evaluate(policy, args.task, test, args.max_new_tokens, args.chat_template))
         log_metrics(run, row)
         bar.set_postfix(reward=f"{row['train/reward_mean']:.3f}", acc=f"{row['train/accuracy']:.3f}",
                         d_rel=f"{row['es/d_rel']:.1e}")

@@ -1,0 +1,333 @@
+"""grpo.py — Group Relative Policy Optimization of an LLM on a verifiable reasoning task, in one file.
+
+The update ([GRPO] DeepSeekMath §4.1; loss variants as in TRL's GRPOTrainer, Dr. GRPO, DAPO). Per step:
+
+    o_1..o_G ~ π_old(·|q)                              G completions for each of P prompts q (temperature τ)
+    A_i = (r_i − mean(r)) / (std(r) + 1e-4)            per group, unbiased std; --no-scale-rewards drops the division
+                                                       (Dr. GRPO); a group whose rewards are all equal gets A = 0
+    ρ_it = exp(log π_θ(o_it) − log π_old(o_it))        log π from logits / τ, token t of completion i (EOS included)
+    ℓ_it = −min(ρ_it·A_i, clip(ρ_it, 1−ε_low, 1+ε_high)·A_i) + β·KL_it,
+    KL_it = exp(ref − log π_θ) − (ref − log π_θ) − 1   k3 estimator against the frozen reference model (β > 0 only)
+    loss  = grpo:    mean_i (1/|o_i|) Σ_t ℓ_it          mean over each sequence's tokens, then over sequences
+            dr_grpo: Σ_it ℓ_it / (P·G · max_new_tokens)
+            dapo:    Σ_it ℓ_it / Σ_i |o_i|
+    θ ← AdamW(θ, ∇loss), μ = --num-iterations times on the same completions (π_old fixed at its first-pass value)
+
+Deviations from TRL GRPOTrainer's defaults, and why:
+  1. --loss-type defaults to `grpo` (TRL: `dapo`): the paper's baseline is GRPO as in DeepSeekMath.
+     `--loss-type dapo` gives TRL's aggregation.
+  2. Constant learning rate (TRL: linear decay to 0): a schedule tied to --steps would make the two stages of
+     grpo_es.py and a resumed run depend on the planned length.
+  3. Weights and AdamW state are always fp32; --dtype only sets the autocast compute dtype (bf16 on GPU). A bf16
+     weight cannot take a 1e-6 step (its resolution is ~4e-3 relative): the update would round away (cf. es.py).
+  4. One optimizer step per pass over a generation batch (gradient accumulation over --grad-accum micro-batches);
+     TRL can split a generation batch into several optimizer steps (steps_per_generation).
+  5. π_old for μ > 1 is recorded during the first pass (detached), not by an extra forward: the same numbers.
+  6. Gradient checkpointing off by default (TRL: on): on CPU small models it only costs time.
+  Same as TRL: G=8, lr 1e-6, β=0 (no reference model loaded), ε=0.2, τ=1.0, top_p 1, no weight decay, gradient
+  clipping at 1.0, truncated completions trained (without an EOS), std + 1e-4.
+
+Reproducibility: every seed derives from (--seed, step). On CPU a run is bitwise reproducible and `--resume`
+continues from the checkpoint's weights and AdamW state to exactly the weights of an uninterrupted run; GPU kernels
+(and vLLM sampling) are only statistically reproducible.
+
+Run it:
+  CPU, embedded SmolLM2-135M-Instruct, a few minutes:
+    python grpo.py --group-size 4 --prompts-per-step 2 --max-new-tokens 32 --steps 2 --eval-every 2 --eval-prompts 4
+  GPU, [ES-LLM]-style GSM8K run (data from a folder with train.jsonl/test.jsonl):
+    python grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --data data/gsm8k --chat-template \
+        --prompts-per-step 32 --grad-accum 8 --gradient-checkpointing
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from common import (EMBEDDED_MODEL, HFPolicy, Sample, Task, derive_seed, die, evaluate, init_run, latest_checkpoint,
+                    load_task, log_metrics, render_prompt, resolve_dtype, resolve_model, resume_args, save_checkpoint,
+                    score, truncate_metrics)
+
+LossType = Literal["grpo", "dr_grpo", "dapo"]
+
+
+@dataclass
+class Args:
+    model: str = EMBEDDED_MODEL
+    """model: a Hugging Face folder, a hub id, or 'smollm2-135m' (embedded, offline)"""
+    task: Task = "countdown"
+    """task to train on (SPEC §6)"""
+    data: Optional[str] = None
+    """folder with train.jsonl/test.jsonl (or a hub dataset id); Countdown is generated when unset"""
+    chat_template: bool = False
+    """render prompts with the tokenizer's chat template instead of the raw [Qiu] prompt"""
+    seed: int = 0
+    """run seed: prompt batches and sampling derive from it and the step"""
+    out_dir: str = "runs/grpo"
+    """run directory: args.json, metrics.jsonl, checkpoints/"""
+    backend: Literal["hf"] = "hf"
+    """rollout backend"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """autocast compute dtype; auto = bf16 on GPU, fp32 on CPU (weights and AdamW state are always fp32)"""
+    resume: Optional[str] = None
+    """continue the run in this directory from its last checkpoint (its args.json, plus flags you change here)"""
+    eval_every: int = 25
+    """evaluate greedily on held-out problems every this many steps (and before the first)"""
+    eval_prompts: int = 200
+    """number of held-out test problems per evaluation"""
+    save_every: int = 50
+    """write a checkpoint (weights + AdamW state) every this many steps (and at the end)"""
+    max_new_tokens: int = 1024
+    """generation budget per completion (also the Dr. GRPO normalizer)"""
+    batch_size: int = 64
+    """sequences per generate call"""
+    steps: int = 500
+    """GRPO steps (generation batches); each makes μ optimizer steps"""
+    group_size: int = 8
+    """completions per prompt G"""
+    prompts_per_step: int = 16
+    """prompts per step P, sampled from the training set"""
+    train_size: Optional[int] = None
+    """use only the first this many training problems"""
+    lr: float = 1e-6
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """clip the gradient to this global norm; 0 = no clipping"""
+    beta: float = 0.0
+    """KL coefficient β (k3 estimator); 0 = no reference model is loaded"""
+    eps_low: float = 0.2
+    """lower clip ε_low: ρ ≥ 1 − ε_low"""
+    eps_high: float = 0.2
+    """upper clip ε_high: ρ ≤ 1 + ε_high (DAPO uses 0.28)"""
+    loss_type: LossType = "grpo"
+    """token aggregation: grpo (per-sequence mean), dr_grpo (/ B·max_new_tokens), dapo (/ all tokens)"""
+    scale_rewards: bool = True
+    """divide group advantages by the group std (off = Dr. GRPO)"""
+    num_iterations: int = 1
+    """μ: optimizer passes over each generation batch (π_old fixed at the first pass)"""
+    temperature: float = 1.0
+    """sampling temperature τ; logits are divided by it in the loss too"""
+    top_p: float = 1.0
+    """nucleus sampling threshold for rollouts"""
+    grad_accum: int = 1
+    """split each generation batch into this many micro-batches for forward/backward"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+
+
+def group_advantages(rewards: np.ndarray, scale: bool, eps: float = 1e-4) -> np.ndarray:
+    """A_i = (r_i − mean_group r) / (std_group r + eps); rewards (P, G) → (P, G). Zero-std groups get exactly 0."""
+    advantages = rewards - rewards.mean(1, keepdims=True)
+    if scale:
+        advantages = advantages / (rewards.std(1, ddof=1, keepdims=True) + eps)  # unbiased std, as TRL/verl
+    return np.where(rewards.max(1, keepdims=True) == rewards.min(1, keepdims=True), 0.0, advantages)
+
+
+def pad_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]],
+              pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [pad… prompt | completion …pad]: every completion starts at the same column.
+
+    Returns input_ids and attention_mask (B, P_max + C_max) and the completion mask (B, C_max), built from each
+    completion's length — never from `token == pad`, which would drop the EOS when pad == eos.
+    """
+    p_max, c_max = max(map(len, prompt_ids)), max(map(len, completion_ids))
+    input_ids = torch.full((len(prompt_ids), p_max + c_max), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for b, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[b, p_max - len(p):p_max + len(c)] = torch.tensor(p + c)
+        attention_mask[b, p_max - len(p):p_max + len(c)] = 1
+    return input_ids, attention_mask, attention_mask[:, p_max:].clone()
+
+
+def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        completion_len: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π(o_t | q, o_<t) of the last `completion_len` tokens and the entropy of each step's distribution.
+
+    (B, T) → logprobs (B, C) with grad, entropy (B, C) detached. Logits are divided by τ: the loss must score
+    tokens under the distribution they were sampled from.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: the positions generate() used
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=completion_len + 1).logits[:, :-1]  # position t predicts token t + 1
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, C, V)
+    logprobs = logp.gather(-1, input_ids[:, -completion_len:, None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logprobs, entropy
+
+
+def per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                   eps_low: float, eps_high: float, beta: float = 0.0, ref_logprobs: Optional[torch.Tensor] = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ℓ_t = −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) + β·KL_t; (B, C) tensors, advantages (B,).
+
+    Returns the loss (B, C), whether the clip was active (B, C) and the k3 KL (B, C; zeros when β = 0).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    a = advantages[:, None]
+    unclipped, clipped = ratio * a, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a
+    loss = -torch.min(unclipped, clipped)
+    was_clipped = (clipped < unclipped).detach()  # the min picked the clipped term: no gradient from this token
+    kl = torch.zeros_like(loss)
+    if beta > 0:
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1  # k3: ≥ 0, unbiased for KL(π_θ‖π_ref) under samples from π_θ
+        loss = loss + beta * kl
+    return loss, was_clipped, kl.detach()
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, max_new_tokens: int,
+              num_seqs: Optional[int] = None, num_tokens: Optional[float] = None) -> torch.Tensor:
+    """Reduce the (B, C) per-token loss to a scalar. `num_seqs`/`num_tokens` are the whole generation batch's
+    counts (default: this batch's), so the micro-batch losses of gradient accumulation sum to the full-batch loss."""
+    num_seqs = per_token.shape[0] if num_seqs is None else num_seqs
+    num_tokens = float(mask.sum()) if num_tokens is None else num_tokens
+    summed = (per_token * mask).sum(-1)  # (B,)
+    if loss_type == "grpo":
+        return (summed / mask.sum(-1).clamp(min=1)).sum() / num_seqs
+    if loss_type == "dr_grpo":
+        return summed.sum() / (num_seqs * max_new_tokens)
+    return summed.sum() / max(num_tokens, 1.0)
+
+
+def rollout(policy: HFPolicy, prompts: list[str], args: Args, step: int) -> list[Sample]:
+    """G completions per prompt, prompt-major. The backend seam: a vLLM policy generates here, after its weights
+    were synced from `policy.model` at the end of the previous update."""
+    policy.model.eval()
+    return policy.generate(prompts, n=args.group_size, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_p=args.top_p, seed=derive_seed(args.seed, "sample", step))
+
+
+def update(policy: HFPolicy, optimizer: torch.optim.Optimizer, ref_model: Optional[PreTrainedModel],
+           prompt_ids: list[list[int]], samples: list[Sample], rewards: np.ndarray, args: Args) -> dict[str, float]:
+    """μ optimizer steps on one generation batch. rewards (P, G), samples prompt-major (P·G). Returns metrics."""
+    model, device = policy.model, policy.device
+    advantages = torch.tensor(group_advantages(rewards, args.scale_rewards), dtype=torch.float32).flatten()
+    num_tokens = float(sum(len(x.token_ids) for x in samples))
+    micro = [m for m in np.array_split(np.arange(len(samples)), args.grad_accum) if len(m)]
+    batches = []  # per micro-batch tensors, built once and reused for every μ pass
+    for idx in micro:
+        input_ids, attention_mask, mask = pad_batch([prompt_ids[samples[i].prompt_index] for i in idx],
+                                                    [samples[i].token_ids for i in idx], policy.tokenizer.pad_token_id)
+        batches.append({"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
+                        "mask": mask.to(device).float(), "advantages": advantages[idx].to(device)})
+    autocast = torch.autocast(torch.device(device).type, dtype=resolve_dtype(args.dtype, device),
+                              enabled=resolve_dtype(args.dtype, device) != torch.float32)
+    if ref_model is not None:  # reference log-probs once per batch: π_ref does not change
+        with torch.no_grad(), autocast:
+            for b in batches:
+                b["ref_logprobs"] = completion_logprobs(ref_model, b["input_ids"], b["attention_mask"],
+                                                        b["mask"].shape[1], args.temperature)[0]
+    model.train()
+    sums = {"loss": 0.0, "clip": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    for it in range(args.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        for b in batches:
+            with autocast:
+                logprobs, entropy = completion_logprobs(model, b["input_ids"], b["attention_mask"],
+                                                        b["mask"].shape[1], args.temperature)
+            if it == 0:  # π_old = the policy that sampled; with μ = 1 the ratio is exactly 1 (gradient only)
+                b["old_logprobs"] = logprobs.detach()
+                sums["entropy"] += float((entropy * b["mask"]).sum())
+            loss_t, was_clipped, kl = per_token_loss(logprobs, b["old_logprobs"], b["advantages"], args.eps_low,
+                                                     args.eps_high, args.beta, b.get("ref_logprobs"))
+            loss = aggregate(loss_t, b["mask"], args.loss_type, args.max_new_tokens, len(samples), num_tokens)
+            loss.backward()  # micro-batch losses sum to the full-batch loss: normalizers are global
+            sums["loss"] += float(loss.detach()) / args.num_iterations
+            sums["clip"] += float((was_clipped * b["mask"]).sum())
+            sums["kl"] += float((kl * b["mask"]).sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+        optimizer.step()
+        sums["grad_norm"] += float(grad_norm) / args.num_iterations
+    model.eval()
+    passes = num_tokens * args.num_iterations
+    return {"grpo/loss": sums["loss"], "grpo/entropy": sums["entropy"] / num_tokens, "grpo/clip_frac": sums["clip"] / passes,
+            "grpo/kl": sums["kl"] / passes, "grpo/grad_norm": sums["grad_norm"]}
+
+
+def main(args: Args) -> Path:
+    if args.resume:
+        args = resume_args(args)
+    if args.group_size < 2 or args.temperature <= 0:
+        die(f"GRPO needs --group-size ≥ 2 and --temperature > 0 (got {args.group_size}, {args.temperature})")
+    train = load_task(args.task, "train", args.data)[: args.train_size]
+    test = load_task(args.task, "test", args.data)[: args.eval_prompts]
+    run = init_run(args.out_dir, args, resume=bool(args.resume))
+    ckpt = latest_checkpoint(run) if args.resume else None
+    # weights in fp32 (deviation 3); a resumed run loads the checkpoint's weights and AdamW state
+    policy = HFPolicy(str(ckpt) if ckpt else args.model, "float32", batch_size=args.batch_size)
+    policy.model.requires_grad_(True)
+    if args.gradient_checkpointing:
+        policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    ref_model = None
+    if args.beta > 0:  # the frozen reference is the starting model, also on resume
+        ref_model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=torch.float32)
+        ref_model.to(policy.device).eval().requires_grad_(False)
+    start = 0
+    if ckpt is not None:
+        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=policy.device))
+        start = json.loads((ckpt / "state.json").read_text())["step"]
+        truncate_metrics(run, "step", start)
+    prompts = [render_prompt(args.task, p, policy.tokenizer, args.chat_template) for p in train]
+    prompt_ids = policy.encode(prompts)
+
+    if start == 0 and args.eval_every > 0:
+        log_metrics(run, {"step": 0, **evaluate(policy, args.task, test, args.max_new_tokens, args.chat_template)})
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="grpo", unit="step")
+    for step in bar:
+        t_start = time.perf_counter()
+        # 1. sample this step's prompts (derived from --seed and the step)
+        rng = np.random.default_rng(derive_seed(args.seed, "prompts", step))
+        batch = rng.choice(len(train), min(args.prompts_per_step, len(train)), replace=False)
+
+        # 2. rollouts: G completions per prompt from the current policy (π_old)
+        samples = rollout(policy, [prompts[i] for i in batch], args, step)
+        t_rollout = time.perf_counter()
+
+        # 3. rewards (P, G): prompt-major samples reshape into groups
+        scored = np.array([score(args.task, train[batch[x.prompt_index]], x.text) for x in samples])
+        rewards, correct = scored[:, 0].reshape(len(batch), args.group_size), scored[:, 1]
+
+        # 4. policy update: advantages, μ passes of clipped surrogate + AdamW
+        t_update = time.perf_counter()
+        stats = update(policy, optimizer, ref_model, [prompt_ids[i] for i in batch], samples, rewards, args)
+        t_done = time.perf_counter()
+
+        # 5. log
+        lengths = np.array([len(x.token_ids) for x in samples])
+        tokens_per_s = lengths.sum() / max(t_rollout - t_start, 1e-9)
+        row = {"step": step + 1, "train/reward_mean": float(rewards.mean()), "train/reward_std": float(rewards.std()),
+               "train/accuracy": float(correct.mean()), "train/response_len": float(lengths.mean()),
+               "grpo/zero_std_frac": float((rewards.std(1) == 0).mean()),
+               "grpo/truncated_frac": float(np.mean([x.token_ids[-1] not in policy.eos_ids for x in samples])),
+               **stats, "perf/rollout_s": t_rollout - t_start, "perf/reward_s": t_update - t_rollout,
+               "perf/update_s": t_done - t_update, "perf/tokens_per_s": float(tokens_per_s),
+               "perf/step_s": time.perf_counter() - t_start}
+        if args.beta == 0:
+            del row["grpo/kl"]
+
+        # 6. evaluate and checkpoint
+        if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            row.update(evaluate(policy, args.task, test, args.max_new_tokens, args.chat_template))
+        log_metrics(run, row)
+        bar.set_postfix(reward=f"{row['train/reward_mean']:.3f}", acc=f"{row['train/accuracy']:.3f}",
+                        len=f"{row['train/response_len']:.0f}")
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            save_checkpoint(run, step + 1, policy, {"step": step + 1}, optimizer)
+    return run
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,121 @@
+"""grpo_es.py — sequential GRPO→ES (or ES→GRPO): one budget of updates split equally between two stages.
+
+[ES-LLM] trains with one total update budget T, spent as T/2 updates of the first algorithm and T/2 of the second,
+the second starting from the first's final weights (either order). A GRPO update is one step (one generation batch;
+μ > 1 makes it μ optimizer steps); an ES update is one iteration. This file only composes `grpo.main` and `es.main`:
+the algorithms live in grpo.py and es.py, unchanged.
+
+    stage 1: θ_1 = algo_1(θ_0, ⌊T/2⌋ updates)      run_dir/stage1-<algo_1>/   (its own args.json, metrics, checkpoints)
+    stage 2: θ_2 = algo_2(θ_1, T − ⌊T/2⌋ updates)   run_dir/stage2-<algo_2>/   (model = stage 1's final checkpoint)
+    run_dir/metrics.jsonl                           both stages' rows, tagged "stage"/"algo", with a global "update"
+    run_dir/final/                                  θ_2, loadable with from_pretrained
+
+Notes:
+  1. The shared fields (model, task, data, seed, dtype, eval and length settings) are set once here and override the
+     stages' own copies; everything else reaches a stage as --grpo.<flag> or --es.<flag>.
+  2. Stage 2 treats its starting weights as θ₀: ES's D_rel = ‖θ−θ₀‖/‖θ₀‖ and anchored weight decay measure and
+     anchor to the stage start (θ_1), not to the base model.
+  3. The hand-over goes through a saved checkpoint in the model dtype: with --dtype bfloat16, GRPO's fp32 weights
+     are rounded to bf16 when ES loads them (and ES's fp32 master is not carried into GRPO). fp32 (CPU) is exact.
+  4. Both stages use the same --seed; each derives its own seeds from it with its own tags.
+
+Run it:
+  CPU, embedded SmolLM2-135M-Instruct, a few minutes:
+    python grpo_es.py --order grpo-es --total-updates 2 --max-new-tokens 32 --eval-every 1 --eval-prompts 4 \
+        --grpo.group-size 4 --grpo.prompts-per-step 2 --es.pop 4 --es.prompts-per-iter 4
+  GPU, [ES-LLM] protocol (GSM8K, 1.5B):
+    python grpo_es.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --data data/gsm8k --chat-template \
+        --order grpo-es --total-updates 500 --grpo.prompts-per-step 32 --grpo.grad-accum 8
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal, Optional
+
+import tyro
+
+import es
+import grpo
+from common import EMBEDDED_MODEL, Task, die, init_run, latest_checkpoint, log_metrics
+
+
+@dataclass
+class Args:
+    model: str = EMBEDDED_MODEL
+    """starting model θ_0: a Hugging Face folder, a hub id, or 'smollm2-135m' (embedded, offline)"""
+    task: Task = "countdown"
+    """task both stages train on (SPEC §6)"""
+    data: Optional[str] = None
+    """folder with train.jsonl/test.jsonl (or a hub dataset id); Countdown is generated when unset"""
+    chat_template: bool = False
+    """render prompts with the tokenizer's chat template instead of the raw [Qiu] prompt"""
+    seed: int = 0
+    """run seed, passed to both stages"""
+    out_dir: str = "runs/grpo_es"
+    """run directory: stage1-*/, stage2-*/, merged metrics.jsonl, final/"""
+    backend: Literal["hf"] = "hf"
+    """rollout backend of both stages"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """ES: model dtype; GRPO: autocast dtype (its weights stay fp32); auto = bf16 on GPU, fp32 on CPU"""
+    eval_every: int = 25
+    """evaluate greedily on held-out problems every this many updates of each stage (and at its start)"""
+    eval_prompts: int = 200
+    """number of held-out test problems per evaluation"""
+    max_new_tokens: int = 1024
+    """generation budget per completion"""
+    batch_size: int = 64
+    """sequences per generate call"""
+    order: Literal["grpo-es", "es-grpo"] = "grpo-es"
+    """which algorithm runs first"""
+    total_updates: int = 500
+    """total budget T: ⌊T/2⌋ updates of the first stage, the rest for the second"""
+    grpo: grpo.Args = field(default_factory=grpo.Args)
+    """GRPO settings (its steps, model, out_dir and the shared fields above are set by this script)"""
+    es: es.Args = field(default_factory=es.Args)
+    """ES settings (its iterations, model, out_dir and the shared fields above are set by this script)"""
+
+
+SHARED = ("task", "data", "chat_template", "seed", "backend", "dtype", "eval_every", "eval_prompts",
+          "max_new_tokens", "batch_size")
+STAGES = {"grpo": (grpo.main, "steps", "step"), "es": (es.main, "iterations", "iteration")}
+"""algo → (entry point, its Args field for the number of updates, its metrics.jsonl step key)"""
+
+
+def main(args: Args) -> Path:
+    if args.total_updates < 2:
+        die(f"--total-updates must be at least 2 (one update per stage), got {args.total_updates}")
+    for algo, (_, length_field, _) in STAGES.items():  # these stage fields would be silently overridden below
+        stage, default = getattr(args, algo), type(getattr(args, algo))()
+        for f in (*SHARED, "model", "out_dir", "resume", length_field):
+            if getattr(stage, f) != getattr(default, f):
+                die(f"--{algo}.{f.replace('_', '-')} is set by grpo_es.py; use the top-level flag or --total-updates")
+    run = init_run(args.out_dir, args)
+    budgets = [args.total_updates // 2, args.total_updates - args.total_updates // 2]
+    model, offset = args.model, 0
+    for k, (algo, updates) in enumerate(zip(args.order.split("-"), budgets), start=1):
+        entry, length_field, step_key = STAGES[algo]
+        # 1. configure the stage: its own flags, the shared ones, the start model and its share of the budget
+        stage = replace(getattr(args, algo), **{f: getattr(args, f) for f in SHARED}, model=model,
+                        out_dir=str(run / f"stage{k}-{algo}"), resume=None, **{length_field: updates})
+
+        # 2. run it; the next stage starts from its final checkpoint
+        stage_run = entry(stage)
+        model = str(latest_checkpoint(stage_run))
+
+        # 3. merge its metrics, stage-tagged, on one update axis
+        for line in (stage_run / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            log_metrics(run, {"stage": k, "algo": algo, "update": offset + row[step_key], **row})
+        offset += updates
+
+    # 4. the final weights as a plain from_pretrained folder
+    shutil.copytree(model, run / "final", ignore=shutil.ignore_patterns("optimizer.pt", "state.json"))
+    return run
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,53 @@
+"""grpo_es.py: CLI and a smoke run of both orders on the tiny model (stage dirs, merged metrics, final weights)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # see tests/test_grpo.py: threads spinning on a shared CPU
+
+
+def test_help_runs_without_warnings() -> None:
+    out = subprocess.run([sys.executable, "-W", "error", "grpo_es.py", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, env=ENV)
+    assert out.returncode == 0, out.stderr
+    assert "--grpo.lr" in out.stdout and "--es.pop" in out.stdout and "--total-updates" in out.stdout
+
+
+def test_stage_fields_set_here_are_refused(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "grpo_es.py", "--grpo.seed", "3", "--out-dir", str(tmp_path / "r")],
+                         cwd=ROOT, capture_output=True, text=True, env=ENV)
+    assert out.returncode == 1 and "--grpo.seed is set by grpo_es.py" in out.stderr
+
+
+@pytest.mark.parametrize("order", ["grpo-es", "es-grpo"])
+def test_smoke_both_orders(tiny_model: str, tmp_path: Path, order: str) -> None:
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-W", "error", "grpo_es.py", "--model", tiny_model, "--out-dir", str(run), "--order", order,
+           "--total-updates", "3", "--max-new-tokens", "8", "--eval-every", "1", "--eval-prompts", "2",
+           "--grpo.group-size", "2", "--grpo.prompts-per-step", "2", "--grpo.lr", "1e-3",
+           "--es.pop", "2", "--es.prompts-per-iter", "2"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = order.split("-")
+    assert (run / f"stage1-{first}" / "metrics.jsonl").is_file()
+
+    # budget 3 → 1 + 2 updates; stage 2 starts from stage 1's final checkpoint
+    stage2_args = json.loads((run / f"stage2-{second}" / "args.json").read_text())["args"]
+    assert stage2_args["model"] == str(run / f"stage1-{first}" / "checkpoints" / "step_000001")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r["algo"], r["update"]) for r in rows] == \
+        [(1, first, 0), (1, first, 1), (2, second, 1), (2, second, 2), (2, second, 3)]
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, (int, float)))
+    AutoModelForCausalLM.from_pretrained(run / "final")
+    last = run / f"stage2-{second}" / "checkpoints" / "step_000002" / "model.safetensors"
+    assert (run / "final" / "model.safetensors").read_bytes() == last.read_bytes()
