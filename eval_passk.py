@@ -219,12 +219,13 @@ def evaluate(policy: HFPolicy, task: Task, problems: list[Problem], args: Args, 
     """pass@k, maj@k, mean reward and response length of the loaded weights on one task, + per-problem counts."""
     prompts = [render_prompt(task, p, policy.tokenizer, args.chat_template) for p in problems]
     grouped = generate(policy, prompts, args, task, desc)
+    # (P, n) per problem x and sample j; samples keep generation order, so maj@k votes over the first k
     rewards, correct, answers = (np.zeros((len(problems), args.n)), np.zeros((len(problems), args.n), bool),
-                                 [[extract_answer(task, s.text) for s in g] for g in grouped])  # (P, n)
+                                 [[extract_answer(task, s.text) for s in g] for g in grouped])
     for x, (problem, group) in enumerate(zip(problems, grouped)):
         for j, s in enumerate(group):
             rewards[x, j], correct[x, j] = score(task, problem, s.text)
-    counts = correct.sum(1)  # c(x), (P,)
+    counts = correct.sum(1)  # c(x), (P,): enough to recompute pass@k for any k ≤ n later
     ks = k_grid(args.n)
     return {"pass@k": {k: float(np.mean([pass_at_k(args.n, int(c), k) for c in counts])) for k in ks},
             "maj@k": {k: float(np.mean([maj_at_k(a, r, k) for a, r in zip(answers, correct)])) for k in ks},
@@ -270,6 +271,7 @@ def plot(report: dict, file: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.set(title=f"{task} ({results[task]['num_problems']} problems)", xlabel="k", ylabel="pass@k (%)")
+        ax.set_ylim(0, max(ax.get_ylim()[1], 1.0))  # a flat 0% curve stays on the axis, not mid-panel
         ax.grid(alpha=0.3)
     axes[0][0].legend()
     fig.tight_layout()
@@ -305,10 +307,10 @@ def main(args: Args) -> Path:
             continue
 
         # 3. functional sparsity: reset the small changes, re-measure pass@1 on the main task
-        params = dict(policy.model.named_parameters())
+        params = dict(policy.model.named_parameters())  # tied embeddings appear once, as in the checkpoint
         if theta0 is None:
             theta0 = load_theta(base_path, params, "--base")
-        theta = load_theta(path, theta0, label)
+        theta = load_theta(path, theta0, label)  # fp32: 4 bytes/param each for θ, θ₀ and θ_τ
         sparsity = {"d_rel": relative_drift(theta, theta0), "pass@1": main_result["pass@k"][1], "taus": []}
         for tau in args.reset_tau:
             theta_tau, reset, changed = reset_small_changes(theta, theta0, tau)
@@ -316,6 +318,7 @@ def main(args: Args) -> Path:
                 for k, p in params.items():
                     p.copy_(theta_tau[k])  # cast to the model dtype
             r = evaluate(policy, args.task, problems[args.task], args, f"{label}/τ={tau:g}")
+            # s_τ = #reset / #changed; D_rel of θ_τ shows how much of ‖Δ‖ the large coordinates carry
             sparsity["taus"].append({"tau": tau, "s_tau": reset / changed if changed else 0.0, "reset": reset,
                                      "changed": changed, "d_rel": relative_drift(theta_tau, theta0),
                                      "pass@1": r["pass@k"][1], "correct_counts": r["correct_counts"]})
