@@ -1,0 +1,338 @@
+"""eval_passk.py — Pass@K curves, majority vote, held-out tasks and functional sparsity, in one file.
+
+[ES-LLM]'s central evidence is measured, not trained: ES keeps (or widens) reasoning coverage where GRPO narrows
+it, forgets less on held-out tasks, and most of its parameter change can be reset without losing accuracy.
+
+Per model and task, each problem x gets n samples (temperature 0.6, top_p 0.95: [ES-LLM]'s protocol), c(x) correct:
+
+    pass@k(x) = 1 − C(n−c, k) / C(n, k)                  unbiased estimator ([Codex] §2.1), k = 1, 2, 4, …, n
+              = 1 − Π_{i=n−c+1..n} (1 − k/i)             stable product form (no huge binomials); = 1 if n − c < k
+    pass@1(x) = c/n
+    maj@k(x)  = 1[the most frequent answer among samples 1..k is correct]     answers normalized by common.py
+    pass@k    = mean_x pass@k(x)                          (likewise maj@k, reward, response length in tokens)
+
+Functional sparsity ([ES-LLM] §4.2), base θ₀, trained θ, Δ = θ − θ₀, threshold τ:
+
+    θ_τ = θ₀ + Δ · 1[|Δ| > τ]                             every coordinate with 0 < |Δ| ≤ τ reset to θ₀
+    s_τ = #{0 < |Δ| ≤ τ} / #{Δ ≠ 0}                       fraction of the nonzero changes that were reset
+    D_rel = ‖Δ‖₂ / ‖θ₀‖₂                                  relative drift (of θ, and of θ_τ)
+
+The paper: at s_τ ≈ 78%, pass@1 of θ_τ stays within ±0.5 pt of the full ES model.
+
+Choices the papers leave open (and why):
+  1. maj@k tie-break: among the answers with the most votes, the one seen first wins. Samples without an answer
+     (None) abstain; if all k abstain, the vote is wrong. The vote is right iff the first sample giving the winning
+     answer was scored correct (the same normalized answer can, rarely, score differently: MATH-500 verifies the
+     whole completion).
+  2. Common random numbers: problem x gets the same sampling seeds for every model and every θ_τ, so differences
+     between rows come from the weights, not from the sampler's luck (bitwise on CPU; statistical on GPU).
+  3. Sparsity is computed in fp32 from the checkpoint's exact weights (its `master_fp32.safetensors` when es.py
+     saved one, so bf16 rounding does not hide small changes); θ_τ is then cast to the model's dtype to evaluate.
+     Its pass@1 is measured on the main task with the same n samples per problem as the full model.
+
+Run it:
+  CPU, embedded SmolLM2-135M-Instruct against an es.py checkpoint, a few minutes:
+    python eval_passk.py --models base=smollm2-135m es=runs/es/checkpoints/step_000003 --base base \
+        --num-problems 8 --n 4 --max-new-tokens 64 --reset-tau 1e-3 2e-3 --out-dir runs/passk-cpu
+  GPU, [ES-LLM] protocol on GSM8K with MATH-500 held out:
+    python eval_passk.py --models base=Qwen/Qwen2.5-1.5B-Instruct es=runs/es/checkpoints/step_000500 \
+        grpo=runs/grpo/checkpoints/step_000500 --task gsm8k --data data/gsm8k --chat-template \
+        --heldout math500=data/math500 --base base --out-dir runs/passk-gsm8k
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import typing
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional, Sequence
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common import (EMBEDDED_MODEL, HFPolicy, Problem, Sample, Task, derive_seed, die, extract_answer, init_run,
+                    load_task, render_prompt, resolve_model, score)
+
+
+@dataclass
+class Args:
+    models: tuple[str, ...] = (EMBEDDED_MODEL,)
+    """models side by side, as label=PATH (a folder, hub id or 'smollm2-135m'); a bare PATH is labelled by its name"""
+    task: Task = "countdown"
+    """main task (SPEC §6); pass@k, maj@k and the sparsity table are measured on it"""
+    data: Optional[str] = None
+    """folder with {split}.jsonl for the main task (or a hub dataset id); Countdown is generated when unset"""
+    chat_template: bool = False
+    """render prompts with the tokenizer's chat template instead of the raw [Qiu] prompt"""
+    seed: int = 0
+    """run seed: every sampling seed derives from it (the same for every model: common random numbers)"""
+    out_dir: str = "runs/passk"
+    """run directory: args.json, passk.json, passk.md, passk.png"""
+    backend: Literal["hf"] = "hf"
+    """generation backend"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """model dtype; auto = bf16 on GPU, fp32 on CPU"""
+    batch_size: int = 64
+    """sequences per generate call"""
+    split: Literal["train", "test"] = "test"
+    """split of the main and held-out tasks"""
+    num_problems: Optional[int] = None
+    """evaluate the first this many problems of each task (None = the whole split)"""
+    n: int = 32
+    """samples per problem n ([ES-LLM]: 32); k runs over 1, 2, 4, … up to n"""
+    temperature: float = 0.6
+    """sampling temperature ([ES-LLM]: 0.6)"""
+    top_p: float = 0.95
+    """nucleus sampling top_p ([ES-LLM]: 0.95)"""
+    max_new_tokens: int = 1024
+    """generation budget per sample"""
+    heldout: tuple[str, ...] = ()
+    """held-out tasks (forgetting check) as task=DIR (a folder with {split}.jsonl) or a bare task name"""
+    base: Optional[str] = None
+    """base model θ₀ for functional sparsity: a label from --models or a PATH; unset = no sparsity table"""
+    reset_tau: tuple[float, ...] = (2.5e-4, 5e-4, 1e-3, 1.5e-3, 2e-3)
+    """thresholds τ: reset every coordinate with 0 < |θ−θ₀| ≤ τ to θ₀ ([ES-LLM] §4.2 grid)"""
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k = 1 − C(n−c, k)/C(n, k) = 1 − Π_{i=n−c+1..n} (1 − k/i); 1 when n − c < k ([Codex] §2.1)."""
+    if n - c < k:
+        return 1.0  # every k-subset holds a correct sample
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def maj_at_k(answers: Sequence[Optional[str]], correct: Sequence[bool], k: int) -> bool:
+    """Majority vote over samples 1..k: most votes wins, ties go to the answer seen first; None abstains."""
+    votes = Counter(a for a in answers[:k] if a is not None)
+    if not votes:
+        return False
+    winner = max(votes, key=votes.get)  # max keeps the first maximal key; Counter keeps first-seen order
+    return bool(correct[list(answers).index(winner)])
+
+
+def k_grid(n: int) -> list[int]:
+    """k = 1, 2, 4, … ≤ n, and n itself."""
+    return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
+
+
+def reset_small_changes(theta: dict[str, torch.Tensor], theta0: dict[str, torch.Tensor],
+                        tau: float) -> tuple[dict[str, torch.Tensor], int, int]:
+    """θ_τ = θ₀ + Δ·1[|Δ| > τ] in fp32; returns (θ_τ, #reset = #{0 < |Δ| ≤ τ}, #changed = #{Δ ≠ 0})."""
+    out, reset, changed = {}, 0, 0
+    for name, t in theta.items():
+        t, t0 = t.float(), theta0[name].float()
+        delta = (t - t0).abs()
+        small = (delta > 0) & (delta <= tau)
+        out[name] = torch.where(small, t0, t)  # exact copies of θ₀ / θ values, no arithmetic round-off
+        reset, changed = reset + int(small.sum()), changed + int((delta > 0).sum())
+    return out, reset, changed
+
+
+def relative_drift(theta: dict[str, torch.Tensor], theta0: dict[str, torch.Tensor]) -> float:
+    """D_rel = ‖θ − θ₀‖₂ / ‖θ₀‖₂, sums in float64."""
+    num = sum(float((t.double() - theta0[k].double()).square().sum()) for k, t in theta.items())
+    den = sum(float(t.double().square().sum()) for t in theta0.values())
+    return math.sqrt(num / den)
+
+
+# ---------------------------------------------------------------------------------------------------- plumbing
+def parse_models(specs: Sequence[str]) -> dict[str, str]:
+    """'label=PATH' (or a bare PATH, labelled by its folder name) → {label: PATH}, in the order given."""
+    models = {}
+    for spec in specs:
+        label, path = spec.split("=", 1) if "=" in spec else (Path(spec.rstrip("/")).name, spec)
+        if not label or not path:
+            die(f"--models '{spec}': expected label=PATH")
+        if label in models:
+            die(f"--models: label '{label}' is used twice")
+        models[label] = path
+    return models
+
+
+def parse_tasks(args: Args) -> list[tuple[Task, Optional[str]]]:
+    """The main task first, then the held-out ones: [(task, data folder or None)]."""
+    tasks: list[tuple[Task, Optional[str]]] = [(args.task, args.data)]
+    for spec in args.heldout:
+        task, data = spec.split("=", 1) if "=" in spec else (spec, None)
+        if task not in typing.get_args(Task):
+            die(f"--heldout '{spec}': task must be one of {', '.join(typing.get_args(Task))}")
+        if data is not None and not Path(data).is_dir():
+            die(f"--heldout '{spec}': folder '{data}' does not exist")
+        tasks.append((task, data))
+    return tasks
+
+
+def check_tokenizers(paths: dict[str, str]) -> None:
+    """Compare every vocabulary with the first: pass@k across models means nothing if they tokenize differently."""
+    vocabs = {label: AutoTokenizer.from_pretrained(p).get_vocab() for label, p in paths.items()}
+    first = next(iter(vocabs))
+    for label, vocab in vocabs.items():
+        if vocab != vocabs[first]:
+            die(f"models '{first}' and '{label}' have different tokenizers "
+                f"({len(vocabs[first])} vs {len(vocab)} tokens, {len(vocabs[first].items() ^ vocab.items())} differ)")
+
+
+def load_theta(path: str, like: dict[str, torch.Tensor], label: str) -> dict[str, torch.Tensor]:
+    """fp32 weights of a checkpoint (its exact fp32 master if saved), checked against `like` by name and shape."""
+    master = Path(path) / "master_fp32.safetensors"
+    if master.is_file():
+        from safetensors.torch import load_file
+
+        theta = load_file(str(master))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        theta = {k: p.detach() for k, p in model.named_parameters()}
+    if theta.keys() != like.keys():
+        die(f"'{label}' and the base have different parameter names (e.g. {sorted(theta.keys() ^ like.keys())[0]})")
+    for k, t in like.items():
+        if theta[k].shape != t.shape:
+            die(f"'{label}' and the base differ in the shape of {k}: {tuple(t.shape)} vs {tuple(theta[k].shape)}")
+    return theta
+
+
+def generate(policy: HFPolicy, prompts: list[str], args: Args, task: str, desc: str) -> list[list[Sample]]:
+    """n samples per prompt, grouped per problem; the one place a backend (vLLM with n=) plugs in.
+
+    Seeds depend on (run seed, task, problem chunk) only, never on the model: common random numbers.
+    """
+    per_call = max(1, args.batch_size // args.n)  # problems per generate call
+    grouped: list[list[Sample]] = [[] for _ in prompts]
+    with tqdm(total=len(prompts), desc=desc, unit="problem", leave=False) as bar:
+        for start in range(0, len(prompts), per_call):
+            chunk = prompts[start:start + per_call]
+            for s in policy.generate(chunk, n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                     top_p=args.top_p, seed=derive_seed(args.seed, task, start)):
+                grouped[start + s.prompt_index].append(s)
+            bar.update(len(chunk))
+    return grouped
+
+
+def evaluate(policy: HFPolicy, task: Task, problems: list[Problem], args: Args, desc: str) -> dict:
+    """pass@k, maj@k, mean reward and response length of the loaded weights on one task, + per-problem counts."""
+    prompts = [render_prompt(task, p, policy.tokenizer, args.chat_template) for p in problems]
+    grouped = generate(policy, prompts, args, task, desc)
+    # (P, n) per problem x and sample j; samples keep generation order, so maj@k votes over the first k
+    rewards, correct, answers = (np.zeros((len(problems), args.n)), np.zeros((len(problems), args.n), bool),
+                                 [[extract_answer(task, s.text) for s in g] for g in grouped])
+    for x, (problem, group) in enumerate(zip(problems, grouped)):
+        for j, s in enumerate(group):
+            rewards[x, j], correct[x, j] = score(task, problem, s.text)
+    counts = correct.sum(1)  # c(x), (P,): enough to recompute pass@k for any k ≤ n later
+    ks = k_grid(args.n)
+    return {"pass@k": {k: float(np.mean([pass_at_k(args.n, int(c), k) for c in counts])) for k in ks},
+            "maj@k": {k: float(np.mean([maj_at_k(a, r, k) for a, r in zip(answers, correct)])) for k in ks},
+            "reward": float(rewards.mean()), "response_tokens": float(np.mean([len(s.token_ids) for g in grouped
+                                                                                for s in g])),
+            "num_problems": len(problems), "correct_counts": counts.astype(int).tolist()}
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def markdown(report: dict) -> str:
+    """The pass@k table (a row per model × task) and, with --base, the sparsity table."""
+    ks = report["ks"]
+    head = ["model", "task"] + [f"pass@{k}" for k in ks] + [f"maj@{ks[-1]}", "reward", "tokens"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, tasks in report["results"].items():
+        for task, r in tasks.items():
+            cells = [label, task] + [f"{100 * r['pass@k'][k]:.1f}" for k in ks] + [
+                f"{100 * r['maj@k'][ks[-1]]:.1f}", f"{r['reward']:.3f}", f"{r['response_tokens']:.0f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    if report.get("sparsity"):
+        lines += ["", f"Functional sparsity on {report['task']} (pass@1 in %, n = {report['n']}; base: "
+                      f"{report['base']})", "", "| model | τ | s_τ | D_rel | pass@1 | Δ vs full |", "|---|---|---|---|---|---|"]
+        for label, sp in report["sparsity"].items():
+            lines.append(f"| {label} | full | 0.0% | {sp['d_rel']:.2e} | {100 * sp['pass@1']:.1f} | — |")
+            for row in sp["taus"]:
+                lines.append(f"| {label} | {row['tau']:g} | {100 * row['s_tau']:.1f}% | {row['d_rel']:.2e} | "
+                             f"{100 * row['pass@1']:.1f} | {100 * (row['pass@1'] - sp['pass@1']):+.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, file: Path) -> None:
+    """pass@k vs k on a log2 axis: one panel per task, one line per model (as in Yue et al. 2025)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    tasks, ks = list(next(iter(report["results"].values()))), report["ks"]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for label, results in report["results"].items():
+            ax.plot(ks, [100 * results[task]["pass@k"][k] for k in ks], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.set(title=f"{task} ({results[task]['num_problems']} problems)", xlabel="k", ylabel="pass@k (%)")
+        ax.set_ylim(0, max(ax.get_ylim()[1], 1.0))  # a flat 0% curve stays on the axis, not mid-panel
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(file, dpi=120)
+    plt.close(fig)
+
+
+def main(args: Args) -> Path:
+    if (Path(args.out_dir) / "passk.json").exists():
+        die(f"'{args.out_dir}' already holds passk.json: choose another --out-dir")
+    if args.n < 1:
+        die(f"--n must be ≥ 1, got {args.n}")
+    # 1. resolve the models and the tasks; fail early on a missing path or a tokenizer mismatch
+    models = {label: resolve_model(path) for label, path in parse_models(args.models).items()}
+    base_path = None if args.base is None else models.get(args.base) or resolve_model(args.base)
+    check_tokenizers({**models, **({"--base": base_path} if base_path else {})})
+    tasks = parse_tasks(args)
+    problems = {task: load_task(task, args.split, data)[: args.num_problems] for task, data in tasks}
+    run = init_run(args.out_dir, args)
+    report = {"task": args.task, "split": args.split, "n": args.n, "ks": k_grid(args.n), "models": models,
+              "base": base_path, "results": {}, "sparsity": {}}
+    theta0 = None
+
+    for label, path in tqdm(models.items(), desc="models", unit="model"):
+        # 2. sample n completions per problem on every task, score them, compute the metrics
+        policy = HFPolicy(path, args.dtype, batch_size=args.batch_size)
+        report["results"][label] = {task: evaluate(policy, task, problems[task], args, f"{label}/{task}")
+                                    for task in problems}
+        main_result = report["results"][label][args.task]
+        tqdm.write(f"{label}: " + "  ".join(f"{t} pass@1 {100 * r['pass@k'][1]:.1f}%"
+                                            for t, r in report["results"][label].items()))
+        if base_path is None or os.path.realpath(path) == os.path.realpath(base_path):
+            continue
+
+        # 3. functional sparsity: reset the small changes, re-measure pass@1 on the main task
+        params = dict(policy.model.named_parameters())  # tied embeddings appear once, as in the checkpoint
+        if theta0 is None:
+            theta0 = load_theta(base_path, params, "--base")
+        theta = load_theta(path, theta0, label)  # fp32: 4 bytes/param each for θ, θ₀ and θ_τ
+        sparsity = {"d_rel": relative_drift(theta, theta0), "pass@1": main_result["pass@k"][1], "taus": []}
+        for tau in args.reset_tau:
+            theta_tau, reset, changed = reset_small_changes(theta, theta0, tau)
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.copy_(theta_tau[k])  # cast to the model dtype
+            r = evaluate(policy, args.task, problems[args.task], args, f"{label}/τ={tau:g}")
+            # s_τ = #reset / #changed; D_rel of θ_τ shows how much of ‖Δ‖ the large coordinates carry
+            sparsity["taus"].append({"tau": tau, "s_tau": reset / changed if changed else 0.0, "reset": reset,
+                                     "changed": changed, "d_rel": relative_drift(theta_tau, theta0),
+                                     "pass@1": r["pass@k"][1], "correct_counts": r["correct_counts"]})
+        report["sparsity"][label] = sparsity
+        del policy, theta  # free memory before the next model
+
+    # 4. write passk.json (per-problem counts: curves can be recomputed), passk.md (printed) and passk.png
+    (run / "passk.json").write_text(json.dumps(report, indent=1))
+    table = markdown(report)
+    (run / "passk.md").write_text(table)
+    print(table)
+    plot(report, run / "passk.png")
+    return run
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

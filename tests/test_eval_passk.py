@@ -1,0 +1,163 @@
+"""eval_passk.py: pass@k / maj@k / sparsity math against brute force and hand-made cases, then end to end."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, make_tiny_model
+from eval_passk import Args, k_grid, main, maj_at_k, pass_at_k, relative_drift, reset_small_changes
+
+
+def brute_pass_at_k(n: int, c: int, k: int) -> float:
+    """Fraction of all k-subsets of n samples (the first c correct) holding at least one correct sample."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(i < c for i in s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_equals_brute_force_enumeration():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_1_is_c_over_n_and_certain_when_n_minus_c_below_k():
+    for n, c in [(32, 0), (32, 5), (32, 32), (7, 3)]:
+        assert pass_at_k(n, c, 1) == pytest.approx(c / n)
+    assert pass_at_k(32, 30, 4) == 1.0  # n − c = 2 < 4
+    assert pass_at_k(32, 0, 32) == 0.0
+    assert pass_at_k(1024, 1, 512) == pytest.approx(0.5)  # stable: C(1024, 512) would overflow floats
+
+
+def test_pass_at_k_is_monotone_in_k():
+    for n, c in [(32, 1), (32, 7), (16, 15), (10, 0)]:
+        values = [pass_at_k(n, c, k) for k in range(1, n + 1)]
+        assert all(a <= b + 1e-15 for a, b in zip(values, values[1:]))
+
+
+def test_k_grid():
+    assert k_grid(32) == [1, 2, 4, 8, 16, 32]
+    assert k_grid(1) == [1]
+    assert k_grid(12) == [1, 2, 4, 8, 12]
+
+
+def test_maj_at_k_majority_ties_and_none():
+    answers = ["3", "5", "5", None, "3", "3"]
+    correct = [True, False, False, False, True, True]
+    assert maj_at_k(answers, correct, 1) is True  # only "3"
+    assert maj_at_k(answers, correct, 3) is False  # "5" twice beats "3" once
+    assert maj_at_k(answers, correct, 4) is False  # None abstains: still "5"
+    assert maj_at_k(answers, correct, 5) is True  # tie 2–2: "3" was seen first
+    assert maj_at_k(answers, correct, 6) is True
+    assert maj_at_k(["7", "9"], [False, True], 2) is False  # tie: the earliest answer "7" wins
+    assert maj_at_k([None, None, "4"], [False, False, True], 3) is True  # abstentions do not vote
+    assert maj_at_k([None, None], [False, False], 2) is False  # nobody answered: wrong
+
+
+def test_reset_small_changes_counts_and_limits():
+    theta0 = {"a": torch.zeros(2, 3), "b": torch.ones(4)}
+    theta = {"a": torch.tensor([[0.0, 1e-4, -3e-4], [1e-3, -2e-3, 0.0]]), "b": torch.tensor([1.0, 1.0005, 0.9, 1.0])}
+    theta_tau, reset, changed = reset_small_changes(theta, theta0, 5e-4)
+    # nonzero changes: a: 1e-4, 3e-4, 1e-3, 2e-3; b: ~5e-4 (fp32 rounding: 1.0005 − 1 is 4.999e-4), 0.1 → 6
+    assert changed == 6 and reset == 3
+    assert torch.equal(theta_tau["a"], torch.tensor([[0.0, 0.0, 0.0], [1e-3, -2e-3, 0.0]]))
+    assert torch.equal(theta_tau["b"], torch.tensor([1.0, 1.0, 0.9, 1.0]))
+    same, reset0, _ = reset_small_changes(theta, theta0, 0.0)
+    assert reset0 == 0 and all(torch.equal(same[k], theta[k]) for k in theta)
+    back, reset_inf, _ = reset_small_changes(theta, theta0, math.inf)
+    assert reset_inf == changed and all(torch.equal(back[k], theta0[k]) for k in theta)
+    assert relative_drift(back, theta0) == 0.0
+    expected = math.sqrt(sum(float((theta[k].double() - theta0[k]).square().sum()) for k in theta) / 4.0)
+    assert relative_drift(theta, theta0) == pytest.approx(expected)
+
+
+def run_script(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-W", "error", str(ROOT / "eval_passk.py"), *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_help_exits_zero():
+    result = run_script("--help")
+    assert result.returncode == 0, result.stderr
+    assert "--reset-tau" in result.stdout and "--heldout" in result.stdout
+
+
+def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # an "ES" model: the tiny model with N(0, 1e-3²) added to every weight
+    es_dir = tmp_path / "es"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p), alpha=1e-3)
+    model.save_pretrained(es_dir)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(es_dir)
+    gsm = tmp_path / "gsm8k"
+    gsm.mkdir()
+    (gsm / "test.jsonl").write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"})
+                                            + "\n" for i in range(2)))
+    out = tmp_path / "run"
+    result = run_script("--models", f"base={tiny_model}", f"es={es_dir}", "--num-problems", "3", "--n", "4",
+                        "--max-new-tokens", "6", "--heldout", f"gsm8k={gsm}", "--base", "base",
+                        "--reset-tau", "5e-4", "1", "--out-dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    report = json.loads((out / "passk.json").read_text())
+    assert report["ks"] == [1, 2, 4] and list(report["results"]) == ["base", "es"]
+    for label in ("base", "es"):
+        assert set(report["results"][label]) == {"countdown", "gsm8k"}
+        r = report["results"][label]["countdown"]
+        assert r["num_problems"] == 3 and len(r["correct_counts"]) == 3
+        assert r["pass@k"]["1"] == pytest.approx(sum(r["correct_counts"]) / 12)
+        assert 0 < r["response_tokens"] <= 6 and set(r["maj@k"]) == {"1", "2", "4"}
+    assert len(report["results"]["base"]["gsm8k"]["correct_counts"]) == 2
+    sparsity = report["sparsity"]
+    assert list(sparsity) == ["es"]  # the base is not compared with itself
+    rows = sparsity["es"]["taus"]
+    assert [row["tau"] for row in rows] == [5e-4, 1.0]  # τ = 1 > every |Δ|: θ_τ = θ₀
+    assert 0.3 < rows[0]["s_tau"] < 0.5  # P(|N(0, 1e-3²)| ≤ 5e-4) ≈ 0.38
+    assert rows[1]["s_tau"] == 1.0 and rows[1]["d_rel"] == 0.0 and rows[1]["reset"] == rows[1]["changed"]
+    # θ_1 = θ₀ and sampling seeds are shared across models: it must reproduce the base's counts exactly
+    assert rows[1]["correct_counts"] == report["results"]["base"]["countdown"]["correct_counts"]
+    assert 0 < sparsity["es"]["d_rel"] < 0.1  # ‖Δ‖ ≈ 1e-3·√d against weights of std ≈ 0.02
+
+    table = (out / "passk.md").read_text()
+    assert "| base | countdown |" in table and "| es | gsm8k |" in table and "s_τ" in table
+    assert "| es | full |" in table and table in result.stdout
+    png = (out / "passk.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    image = plt.imread(out / "passk.png")
+    assert image.ndim == 3 and image.shape[1] > image.shape[0] > 100  # two panels side by side
+    assert (out / "args.json").is_file()
+    with pytest.raises(SystemExit, match="already holds passk.json"):  # refuses to overwrite the report
+        main(Args(models=(tiny_model,), out_dir=str(out)))
+
+
+def test_clear_errors(tiny_model: str, tiny_qwen: str, tmp_path: Path):
+    def error(**kwargs: object) -> str:
+        with pytest.raises(SystemExit) as stop:  # die(): one line, exit status 1
+            main(Args(num_problems=1, n=1, max_new_tokens=1, out_dir=str(tmp_path / "run"), **kwargs))
+        return str(stop.value.code)
+
+    assert error(models=(f"a={tmp_path / 'nope'}",)).startswith("error: model")
+    # transformers loads the tiny Qwen2's tokenizer with one extra token (<|endoftext|>): a real vocab mismatch
+    assert "different tokenizers" in error(models=(f"a={tiny_model}", f"b={tiny_qwen}"))
+    deeper = str(make_tiny_model(tmp_path / "three-layers", layers=3))  # same tokenizer, one more layer
+    assert "different parameter names" in error(models=(f"a={tiny_model}", f"b={deeper}"), base="a")
+    assert "used twice" in error(models=(f"a={tiny_model}", f"a={deeper}"))
+    assert "task must be one of" in error(models=(tiny_model,), heldout=("aime",))
