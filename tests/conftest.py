@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import string
 import sys
 from pathlib import Path
@@ -11,6 +12,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+# One intra-op thread for the tiny models, here and in every script the tests start (the variable is inherited):
+# on a small shared CPU, OpenMP threads spinning against other load made tiny-model tests up to 20x slower, and a
+# model this small gains nothing from a second thread. Tests of the real SmolLM2 model raise it explicitly.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
 
 SPECIALS = ["<pad>", "<eos>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -20,8 +20,8 @@ from common import HFPolicy, noise
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
+def run_script(*argv: str, check: bool = True, threads: int = 1) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     result = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
     if check and result.returncode != 0:
         raise AssertionError(f"{argv} exited {result.returncode}:\n{result.stderr[-3000:]}")
@@ -164,7 +164,7 @@ def test_es_on_the_embedded_smollm2(tmp_path: Path) -> None:
     """The real default model: 1 iteration, N=2, 2 prompts, 16 tokens; converts the GGUF on first use."""
     run = tmp_path / "smol"
     run_script("es.py", "--pop", "2", "--prompts-per-iter", "2", "--max-new-tokens", "16", "--iterations", "1",
-               "--eval-every", "0", "--out-dir", str(run))
+               "--eval-every", "0", "--out-dir", str(run), threads=os.cpu_count() or 1)
     row = read_metrics(run)[-1]
     assert row["iteration"] == 1 and 0 <= row["train/reward_mean"] <= 1.1 and row["perf/tokens_per_s"] > 0
     model = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000001")

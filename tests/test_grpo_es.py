@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,19 +12,18 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # see tests/test_grpo.py: threads spinning on a shared CPU
 
 
 def test_help_runs_without_warnings() -> None:
     out = subprocess.run([sys.executable, "-W", "error", "grpo_es.py", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, env=ENV)
+                         text=True)
     assert out.returncode == 0, out.stderr
     assert "--grpo.lr" in out.stdout and "--es.pop" in out.stdout and "--total-updates" in out.stdout
 
 
 def test_stage_fields_set_here_are_refused(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "grpo_es.py", "--grpo.seed", "3", "--out-dir", str(tmp_path / "r")],
-                         cwd=ROOT, capture_output=True, text=True, env=ENV)
+                         cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 1 and "--grpo.seed is set by grpo_es.py" in out.stderr
 
 
@@ -36,7 +34,7 @@ def test_smoke_both_orders(tiny_model: str, tmp_path: Path, order: str) -> None:
            "--total-updates", "3", "--max-new-tokens", "8", "--eval-every", "1", "--eval-prompts", "2",
            "--grpo.group-size", "2", "--grpo.prompts-per-step", "2", "--grpo.lr", "1e-3",
            "--es.pop", "2", "--es.prompts-per-iter", "2"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     first, second = order.split("-")
     assert (run / f"stage1-{first}" / "metrics.jsonl").is_file()
