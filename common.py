@@ -278,11 +278,9 @@ class VLLMPolicy:
 
         self.path = resolve_model(model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        try:
-            self.eos_ids = eos_ids(GenerationConfig.from_pretrained(self.path), self.tokenizer)
-        except OSError:  # no generation_config.json: HF derives it from config.json
-            self.eos_ids = eos_ids(GenerationConfig.from_model_config(AutoConfig.from_pretrained(self.path)),
-                                   self.tokenizer)
+        config = GenerationConfig.from_pretrained(self.path) if (Path(self.path) / "generation_config.json").is_file() \
+            else GenerationConfig.from_model_config(AutoConfig.from_pretrained(self.path))  # as HF's from_pretrained
+        self.eos_ids = eos_ids(config, self.tokenizer)
         dtype = str(resolve_dtype(dtype, device or default_device())).removeprefix("torch.")
         self.llm = LLM(self.path, dtype=dtype, seed=0, enable_prefix_caching=False, max_num_seqs=batch_size,
                        worker_extension_cls=f"{__name__}.VLLMWorker")
@@ -342,7 +340,6 @@ class VLLMPolicy:
 
     def load_master(self, folder: Path) -> None:
         self._es("load_master", str(folder))
-
 
 
 def sync_weights(llm: Any, model: torch.nn.Module) -> None:

