@@ -95,8 +95,17 @@ def test_same_seed_same_weights_as_hf_backend(policy: common.VLLMPolicy, prompts
 
 def test_es_iteration_matches_hf_backend(policy: common.VLLMPolicy, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """One es.py iteration per backend on the same prompts: same member rewards, same update, same checkpoint."""
+    """One es.py iteration per backend on the same prompts: same member rewards, same update, same checkpoint.
+
+    Easy GSM8K-format arithmetic (last number = answer) so that 32 greedy tokens give rewards that differ between
+    members; on Countdown SmolLM2 scores 0 for every member at this length and the update would be skipped."""
     policy.load_master(Path(common.resolve_model(MODEL)))  # back to θ₀ after the tests above
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "test"):
+        items = [{"question": f"What is {a} + {b}? Answer with the number.", "answer": f"#### {a + b}"}
+                 for a, b in [(2, 3), (7, 5), (12, 9), (4, 4)]]
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
     monkeypatch.setattr(es, "VLLMPolicy", lambda *args, **kwargs: policy)  # reuse the module's engine
     rewards = {}
     evaluate_population = es.evaluate_population
@@ -109,11 +118,13 @@ def test_es_iteration_matches_hf_backend(policy: common.VLLMPolicy, tmp_path: Pa
     monkeypatch.setattr(es, "evaluate_population", spy)
     runs = {}
     for backend in ("hf", "vllm"):
-        args = es.Args(backend=backend, pop=4, prompts_per_iter=4, max_new_tokens=32, iterations=1, eval_every=0,
-                       batch_size=16, out_dir=str(tmp_path / backend))
+        args = es.Args(backend=backend, task="gsm8k", data=str(data), pop=4, sigma=5e-3, alpha=1e-3,
+                       prompts_per_iter=4, max_new_tokens=32, iterations=1, eval_every=0, batch_size=16,
+                       out_dir=str(tmp_path / backend))
         runs[backend] = es.main(args)
     print("member rewards:", rewards)
     assert rewards["VLLMPolicy"] == rewards["HFPolicy"]
+    assert len(set(rewards["HFPolicy"])) > 1  # members differ, so an update is applied and compared below
     rows = {b: json.loads((run / "metrics.jsonl").read_text().splitlines()[-1]) for b, run in runs.items()}
     for key in ("train/reward_mean", "train/reward_std", "es/update_norm", "es/d_rel"):
         assert rows["vllm"][key] == rows["hf"][key], key
