@@ -10,4 +10,4 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/n
     "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec  # last: they break `import vllm` (see the file)
 fi
 export VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2
-timeout 900 "$VENV/bin/python" -m pytest -m vllm -q tests/test_vllm.py
+timeout 1200 "$VENV/bin/python" -m pytest -m vllm -q tests/test_vllm.py
