@@ -431,11 +431,15 @@ def load_task(task: Task, split: Literal["train", "test"], data: Optional[str] =
     if data is None:
         data = {"gsm8k": "openai/gsm8k", "math500": "HuggingFaceH4/MATH-500"}[task]
     records = _read_records(data, split, task)
-    if task == "countdown":
-        return [Problem(numbers=tuple(int(x) for x in r["numbers"]), target=int(r["target"])) for r in records]
-    if task == "gsm8k":
-        return [Problem(r["question"], r["answer"].split("####")[-1].strip().replace(",", "")) for r in records]
-    return [Problem(r["problem"], str(r["answer"])) for r in records]
+    try:
+        if task == "countdown":
+            return [Problem(numbers=tuple(int(x) for x in r["numbers"]), target=int(r["target"])) for r in records]
+        if task == "gsm8k":
+            return [Problem(r["question"], r["answer"].split("####")[-1].strip().replace(",", "")) for r in records]
+        return [Problem(r["problem"], str(r["answer"])) for r in records]
+    except (KeyError, TypeError, ValueError) as e:
+        fields = {"countdown": "numbers, target", "gsm8k": "question, answer", "math500": "problem, answer"}[task]
+        die(f"task {task}, '{data}' ({split}): every record needs the fields {fields} ({type(e).__name__}: {e})")
 
 
 def _read_records(data: str, split: str, task: str) -> list[dict]:

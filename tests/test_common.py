@@ -237,5 +237,13 @@ def test_math500_loader_and_reward_on_real_records() -> None:
 def test_missing_data_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no train.jsonl or train.json"):
         load_task("gsm8k", "train", str(tmp_path))
+    (tmp_path / "test.jsonl").write_text('{"numbers": [1, 2, 3]}\n')
+    with pytest.raises(SystemExit, match="every record needs the fields numbers, target"):
+        load_task("countdown", "test", str(tmp_path))
+    (tmp_path / "test.jsonl").write_text('{"numbers": [1, 2, 3], "target": 6}\n{oops\n')
+    with pytest.raises(SystemExit, match="is not valid JSON"):
+        load_task("countdown", "test", str(tmp_path))
+    (tmp_path / "test.jsonl").write_text('{"numbers": [1, 2, 3], "target": 6}\n')
+    assert load_task("countdown", "test", str(tmp_path)) == [Problem(numbers=(1, 2, 3), target=6)]
     with pytest.raises(SystemExit, match="not a folder, a hub id"):
         HFPolicy("./no/such/model")
