@@ -43,7 +43,7 @@ def machine_line(device: str) -> str:
 def resolve_bench_model(name: str, folder: Path, layers: Optional[int], tokenizer: str) -> str:
     """A local model folder for `name`: what common.resolve_model takes, or 'random:<arch>': a random-init model of that architecture built
     from its config (seed 0), saved with the tokenizer from `tokenizer` (a model name or a tokenizer folder) to
-    `folder`. The tokenizer's ids must fit the architecture's vocabulary (SmolLM2's 49152 < Qwen2.5's 151936)."""
+    `folder` ('char': the tests' character-level tokenizer). The tokenizer's ids must fit the architecture's vocabulary (SmolLM2's 49152 < Qwen2.5's 151936)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from common import resolve_model
@@ -58,6 +58,11 @@ def resolve_bench_model(name: str, folder: Path, layers: Optional[int], tokenize
     target = folder / f"{arch}-{config['num_hidden_layers']}l"
     if (target / "config.json").is_file():
         return str(target)
+    if tokenizer == "char":  # no tokenizer files at hand (a bare GPU box): the tests' character-level one
+        sys.path.insert(0, str(ROOT / "tests"))
+        from conftest import make_tiny_model
+
+        tokenizer = str(make_tiny_model(folder / "char-tokenizer"))
     tok = AutoTokenizer.from_pretrained(tokenizer if Path(tokenizer).is_dir() else resolve_model(tokenizer))
     if len(tok) > config["vocab_size"]:
         raise SystemExit(f"error: tokenizer has {len(tok)} ids, more than {arch}'s vocabulary {config['vocab_size']}")
