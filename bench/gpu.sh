@@ -17,7 +17,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
 
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ! "$PY" -c "import tyro, trl" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (py3.12)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || { echo "wheel install failed" | tee "$OUT/bench-gpu.md"; exit 1; }
 fi
