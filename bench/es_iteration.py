@@ -30,7 +30,8 @@ from typing import Any, Callable, Literal, Optional
 
 import tyro
 
-from util import fixed_length, machine_line, param_count, resolve_bench_model, setup_threads, sync, table
+from util import (emit, fixed_length, machine_line, param_count, resolve_bench_model, setup_threads, sync,
+                  table)
 
 import common  # noqa: E402  (util puts the repo root on sys.path)
 import es  # noqa: E402
@@ -160,11 +161,7 @@ def main(args: Args) -> str:
               f"command: python bench/es_iteration.py --models {' '.join(args.models)} --pop {args.pop} "
               f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --dtype {args.dtype} "
               f"--threads {threads}" + (f" --random-layers {args.random_layers}" if args.random_layers else "")]
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return text
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":

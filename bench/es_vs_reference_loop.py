@@ -33,7 +33,7 @@ import torch
 import tyro
 from transformers import GenerationConfig
 
-from util import fixed_length, machine_line, resolve_bench_model, setup_threads, sync, table
+from util import emit, fixed_length, machine_line, resolve_bench_model, setup_threads, sync, table
 
 import common  # noqa: E402  (util puts the repo root on sys.path)
 import es  # noqa: E402
@@ -181,11 +181,7 @@ def main(args: Args) -> str:
               f"--pop {args.pop} --prompts {args.prompts} --max-new-tokens {args.max_new_tokens} "
               f"--sigma {args.sigma:g} --drift-members {args.drift_members} --threads {threads}"
               + (f" --random-layers {args.random_layers}" if args.random_layers else "")]
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return text
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":

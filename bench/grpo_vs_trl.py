@@ -35,7 +35,7 @@ from typing import Literal, Optional
 import numpy as np
 import tyro
 
-from util import fixed_length, machine_line, resolve_bench_model, setup_threads, sync, table
+from util import emit, fixed_length, machine_line, resolve_bench_model, setup_threads, sync, table
 
 import common  # noqa: E402  (util puts the repo root on sys.path)
 
@@ -218,11 +218,7 @@ def main(args: Args) -> str:
               f", {args.dtype}, P={args.prompts} prompts × G={args.group_size}, T={args.max_new_tokens} tokens "
               f"(fixed), {device}", "", table(header, rows), "", f"after: {machine_line(device)}",
               "command: python bench/grpo_vs_trl.py " + " ".join(flags)]
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return text
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -118,3 +118,12 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def emit(lines: Sequence[str], out: Optional[str]) -> str:
+    """Print the report and, if `out` is set, also write it there."""
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if out:
+        Path(out).write_text(text + "\n")
+    return text
