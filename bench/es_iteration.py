@@ -1,0 +1,168 @@
+"""bench/es_iteration.py — where one ES iteration's time goes: rollout / perturb / restore / update.
+
+Runs `es.es_step` itself (the real code path) once per model and backend, with the policy's methods wrapped by
+timers: `generate` (rollout), `perturb` (θ = cast(master + σ·ε_n)), `restore` (θ = cast(master)) and `add_noise`
+(the update θ ← θ + α/N·Σ Z_n ε_n, regenerating N noises; its internal restore is counted as update). Rollouts are
+greedy and fixed-length (EOS disabled), so every member generates exactly P × max_new_tokens tokens. The rewards
+are synthetic (member n gets reward n) so that the update always runs: this measures time, not learning.
+
+Issue-6 goal: (perturb + restore + update) / rollout ≤ 10% on CPU. The overhead per member is ~2 passes of fp32
+randn over all parameters (perturb + its share of the update), independent of the prompt batch; the rollout grows
+with P × tokens. So the table also prints the tokens per member at which the ratio would reach 10% (extrapolated
+at the measured tokens/s).
+
+Models: the embedded SmolLM2-135M-Instruct and random-init models of a real architecture built from its config
+(`random:qwen2.5-0.5b`, `random:qwen2.5-1.5b`; no download, SmolLM2's tokenizer, whose ids fit Qwen's vocabulary).
+Backends: `hf` (common.HFPolicy); `vllm` only if common has a VLLMPolicy (same methods).
+
+Run it (CPU, ~4 min on 2 cores):
+  python bench/es_iteration.py --models smollm2-135m random:qwen2.5-0.5b --pop 4 --prompts 32 --max-new-tokens 32
+GPU (see bench/gpu.sh):
+  python bench/es_iteration.py --models random:qwen2.5-1.5b --dtype bfloat16 --pop 16 --prompts 64 --max-new-tokens 256
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+import tyro
+
+from util import (emit, fixed_length, machine_line, param_count, resolve_bench_model, setup_threads, sync,
+                  table)
+
+import common  # noqa: E402  (util puts the repo root on sys.path)
+import es  # noqa: E402
+
+
+@dataclass
+class Args:
+    models: tuple[str, ...] = ("smollm2-135m", "random:qwen2.5-0.5b")
+    """models: names common.resolve_model takes, or random:qwen2.5-0.5b / random:qwen2.5-1.5b (random-init)"""
+    backends: tuple[Literal["hf", "vllm"], ...] = ("hf",)
+    """rollout backends; vllm needs common.VLLMPolicy"""
+    random_layers: Optional[int] = None
+    """override num_hidden_layers of the random-init architectures (default: the real count)"""
+    tokenizer: str = common.EMBEDDED_MODEL
+    """tokenizer for random-init models: a model name or a tokenizer folder"""
+    model_dir: str = "runs/bench-models"
+    """where random-init models are saved (reused when present)"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """model dtype; auto = bf16 on GPU, fp32 on CPU (the master is fp32)"""
+    device: Optional[str] = None
+    """cpu or cuda; default: cuda if available"""
+    pop: int = 4
+    """population size N"""
+    prompts: int = 32
+    """prompts per iteration P (one batched generate per member)"""
+    max_new_tokens: int = 32
+    """tokens per completion T (fixed: EOS disabled)"""
+    sigma: float = 1.5e-3
+    """noise scale σ"""
+    alpha: float = 2.5e-4
+    """step size α"""
+    threads: Optional[int] = 2
+    """torch CPU threads (this CPU is shared: 2 cores)"""
+    goal: float = 0.10
+    """target for (perturb + restore + update) / rollout"""
+    out: Optional[str] = None
+    """also write the table to this file"""
+
+
+def timed(fn: Callable, key: str, seconds: dict[str, float], device: str,
+          skip: Callable[[], bool] = lambda: False) -> Callable:
+    """fn, with its wall time (GPU synchronised) added to seconds[key] unless skip() at call time."""
+    def inner(*a: Any, **k: Any) -> Any:
+        if skip():
+            return fn(*a, **k)
+        sync(device)
+        start = time.perf_counter()
+        out = fn(*a, **k)
+        sync(device)
+        seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
+        return out
+    return inner
+
+
+def bench_one(policy: Any, prompts: list[str], args: Args, device: str) -> dict[str, float]:
+    """One es_step with per-primitive timers. Returns seconds per phase and the token count."""
+    seconds: dict[str, float] = {}
+    in_update = {"on": False}
+    add_noise = policy.add_noise
+
+    def update(*a: Any, **k: Any) -> float:
+        in_update["on"] = True
+        try:
+            return add_noise(*a, **k)
+        finally:
+            in_update["on"] = False
+
+    policy.generate = timed(policy.generate, "rollout", seconds, device)
+    policy.perturb = timed(policy.perturb, "perturb", seconds, device)
+    policy.restore = timed(policy.restore, "restore", seconds, device, skip=lambda: in_update["on"])
+    policy.add_noise = timed(update, "update", seconds, device)
+    calls = {"n": 0}
+
+    def reward_fn(i: int, text: str) -> tuple[float, bool]:  # member n → reward n: std > 0, the update always runs
+        calls["n"] += 1
+        return float((calls["n"] - 1) // len(prompts)), False
+
+    es_args = replace(es.Args(), pop=args.pop, sigma=args.sigma, alpha=args.alpha, max_new_tokens=args.max_new_tokens,
+                      batch_size=len(prompts), temperature=0.0)
+    tokens = {"n": 0}
+    generate = policy.generate
+
+    def counting_generate(*a: Any, **k: Any) -> list:
+        samples = generate(*a, **k)
+        tokens["n"] += sum(len(x.token_ids) for x in samples)
+        return samples
+
+    policy.generate = counting_generate
+    row = es.es_step(policy, prompts, reward_fn, es_args, t=0)
+    assert row["es/skipped"] == 0
+    return {**seconds, "tokens": tokens["n"]}
+
+
+def main(args: Args) -> str:
+    threads = setup_threads(args.threads)
+    device = args.device or common.default_device()
+    lines = [f"# ES iteration split (bench/es_iteration.py)", "", f"machine: {machine_line(device)}", ""]
+    header = ["model", "params", "backend", "dtype", "N", "P×T", "rollout s", "perturb s", "restore s", "update s",
+              "overhead/rollout", f"≤{args.goal:.0%}?", "tok/s", f"tokens/member for {args.goal:.0%}"]
+    rows = []
+    for name in args.models:
+        path = resolve_bench_model(name, Path(args.model_dir), args.random_layers, args.tokenizer)
+        for backend in args.backends:
+            if backend == "vllm" and not hasattr(common, "VLLMPolicy"):
+                rows.append([name, "", backend, args.dtype] + ["unavailable: common has no VLLMPolicy"] + [""] * 9)
+                continue
+            cls = common.VLLMPolicy if backend == "vllm" else common.HFPolicy
+            policy = cls(path, args.dtype, device, es=True, batch_size=args.prompts)
+            fixed_length(policy)
+            problems = common.load_task("countdown", "train")[: args.prompts]
+            prompts = [common.render_prompt("countdown", p) for p in problems]
+            policy.generate(prompts[:2], max_new_tokens=2)  # warm-up: first-call allocations, kernels
+            s = bench_one(policy, prompts, args, device)
+            overhead = s["perturb"] + s["restore"] + s["update"]
+            per_token = s["rollout"] / max(s["tokens"], 1)
+            need = overhead / args.pop / (args.goal * per_token)  # tokens per member at which overhead = goal·rollout
+            dtype = str(getattr(getattr(policy, "model", None), "dtype", args.dtype)).removeprefix("torch.")
+            rows.append([name + (f" ({args.random_layers} layers)" if args.random_layers and
+                                 name.startswith("random:") else ""),
+                         f"{param_count(policy) / 1e6:.0f}M", backend, dtype, args.pop,
+                         f"{args.prompts}×{s['tokens'] // (args.pop * args.prompts)}", s["rollout"], s["perturb"],
+                         s["restore"], s["update"], f"{overhead / s['rollout']:.1%}",
+                         "yes" if overhead / s["rollout"] <= args.goal else "no", s["tokens"] / s["rollout"],
+                         f"{need:.0f}"])
+            del policy
+    lines += [table(header, rows), "", f"after: {machine_line(device)}",
+              f"command: python bench/es_iteration.py --models {' '.join(args.models)} --pop {args.pop} "
+              f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --dtype {args.dtype} "
+              f"--threads {threads}" + (f" --random-layers {args.random_layers}" if args.random_layers else "")]
+    return emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
