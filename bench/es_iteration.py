@@ -128,7 +128,7 @@ def bench_one(policy: Any, prompts: list[str], args: Args, device: str) -> dict[
 def main(args: Args) -> str:
     threads = setup_threads(args.threads)
     device = args.device or common.default_device()
-    lines = [f"# ES iteration split (bench/es_iteration.py)", "", f"machine: {machine_line(device)}", ""]
+    lines = ["# ES iteration split (bench/es_iteration.py)", "", f"machine: {machine_line(device)}", ""]
     header = ["model", "params", "backend", "dtype", "N", "P×T", "rollout s", "perturb s", "restore s", "update s",
               "overhead/rollout", f"≤{args.goal:.0%}?", "tok/s", f"tokens/member for {args.goal:.0%}"]
     rows = []

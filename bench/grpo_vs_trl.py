@@ -181,7 +181,7 @@ def main(args: Args) -> str:
     resolve_bench_model(args.model, Path(args.model_dir), args.random_layers, args.tokenizer)
     lines = ["# GRPO step: grpo.py vs TRL GRPOTrainer (bench/grpo_vs_trl.py)", "",
              f"machine: {machine_line(device)}", ""]
-    flags = [f"--model", args.model, "--dtype", args.dtype, "--prompts", str(args.prompts), "--group-size",
+    flags = ["--model", args.model, "--dtype", args.dtype, "--prompts", str(args.prompts), "--group-size",
              str(args.group_size), "--max-new-tokens", str(args.max_new_tokens), "--steps", str(args.steps),
              "--lr", str(args.lr), "--model-dir", args.model_dir, "--tokenizer", args.tokenizer]
     flags += ["--threads", str(args.threads)] if args.threads else []
