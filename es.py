@@ -238,6 +238,8 @@ def main(args: Args) -> Path:
                         d_rel=f"{row['es/d_rel']:.1e}")
         if (t + 1) % args.save_every == 0 or t + 1 == args.iterations:
             save_checkpoint(run, t + 1, policy, {"iteration": t + 1})
+    if args.backend == "vllm":
+        policy.close()  # free its memory for whatever runs next in this process (grpo_es.py's second stage)
     if world > 1:
         torch.distributed.destroy_process_group()
     return run

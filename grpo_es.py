@@ -57,8 +57,8 @@ class Args:
     """run seed, passed to both stages"""
     out_dir: str = "runs/grpo_es"
     """run directory: stage1-*/, stage2-*/, merged metrics.jsonl, final/"""
-    backend: Literal["hf"] = "hf"
-    """rollout backend of both stages"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """rollout backend of both stages (vllm: each stage starts its own engine and shuts it down when done)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """ES: model dtype; GRPO: autocast dtype (its weights stay fp32); auto = bf16 on GPU, fp32 on CPU"""
     eval_every: int = 25
