@@ -1,0 +1,111 @@
+"""Write an easier task variant as {out}/train.jsonl and {out}/test.jsonl, for the scripts' `--data`.
+
+A 135M model never solves the default Countdown (3–4 numbers in 1..99) nor much of GSM8K, so the CPU-scale
+experiments (README "Results (CPU, SmolLM2-135M)") train on easier variants that the existing task code reads:
+
+  countdown   common.make_countdown with other sizes/ranges; records {numbers, target}; `--task countdown`.
+  arith       one- or two-step word problems in GSM8K's format (question, answer "… #### N"); `--task gsm8k`, scored by
+              GSM8K's rule (\\boxed{} answer, else the last number). Templates below; --max-number sets the size.
+
+Train and test are disjoint (one seeded pool, split at the end):
+
+    python bench/task_data.py --kind arith --steps 1 --max-number 20 --out data/arith1
+    python es.py --task gsm8k --data data/arith1 --chat-template ...
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import die, make_countdown  # noqa: E402
+
+
+@dataclass
+class Args:
+    out: str
+    """output folder (train.jsonl, test.jsonl); must not exist yet"""
+    kind: Literal["countdown", "arith"] = "arith"
+    """countdown: {numbers, target} records; arith: GSM8K-format two-step word problems"""
+    sizes: tuple[int, ...] = (3,)
+    """countdown: how many numbers a problem has (one drawn per problem)"""
+    max_number: int = 10
+    """numbers are drawn from 1..max_number (arith: 2..max_number)"""
+    steps: Literal[1, 2] = 1
+    """arith: operations per word problem"""
+    max_target: int = 30
+    """countdown: targets are integers in 1..max_target"""
+    train: int = 1000
+    """train problems"""
+    test: int = 200
+    """test problems (disjoint from train)"""
+    seed: int = 0
+    """generator seed"""
+
+
+NAMES = ("Tom", "Ana", "Li", "Sara", "Omar", "Mia", "Ben", "Zoe")
+ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books")
+# (question template, answer) over numbers a, b, c: one or two operations, the answer always a positive integer
+ONE_STEP: tuple[tuple[str, Callable[[int, int, int], int]], ...] = (
+    ("{n} has {a} {i} and buys {b} more. How many {i} does {n} have now?", lambda a, b, c: a + b),
+    ("{n} had {a} {i} and gave {b} away. How many {i} does {n} have left?", lambda a, b, c: a - b),
+    ("{n} buys {a} packs with {b} {i} in each. How many {i} does {n} have?", lambda a, b, c: a * b),
+)
+TWO_STEP: tuple[tuple[str, Callable[[int, int, int], int]], ...] = (
+    ("{n} has {a} {i}. {n} buys {b} packs with {c} {i} in each. How many {i} does {n} have now?",
+     lambda a, b, c: a + b * c),
+    ("{n} had {a} {i} and gave {b} away. Then {n} found {c} more. How many {i} does {n} have?",
+     lambda a, b, c: a - b + c),
+    ("A box holds {a} {i}. How many {i} are there in {b} boxes and {c} loose {i}?",
+     lambda a, b, c: a * b + c),
+    ("{n} earns {a} dollars an hour, works {b} hours and spends {c} dollars. How many dollars are left?",
+     lambda a, b, c: a * b - c),
+)
+
+
+def make_arith(count: int, seed: int, max_number: int, steps: int) -> list[dict]:
+    """`count` distinct word problems whose answer is a positive integer."""
+    rng, seen, rows, templates = random.Random(seed), set(), [], ONE_STEP if steps == 1 else TWO_STEP
+    for _ in range(1000 * count):
+        if len(rows) == count:
+            return rows
+        k = rng.randrange(len(templates))
+        a, b, c = rng.randint(2, max_number), rng.randint(2, max_number), rng.randint(2, max_number)
+        template, answer = templates[k]
+        if (k, a, b, c if steps == 2 else 0) in seen or answer(a, b, c) <= 0:
+            continue
+        seen.add((k, a, b, c if steps == 2 else 0))
+        question = template.format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=a, b=b, c=c)
+        rows.append({"question": question, "answer": f"#### {answer(a, b, c)}"})
+    die(f"could not generate {count} distinct arith problems with --max-number {max_number}")
+
+
+def main(args: Args) -> None:
+    out = Path(args.out)
+    if out.exists():
+        die(f"--out {out} already exists; pick a new folder")
+    if min(args.sizes) < 2 or args.max_number < 3 or args.max_target < 1:
+        die("--sizes must be >= 2, --max-number >= 3 and --max-target >= 1")
+    total = args.train + args.test
+    if args.kind == "countdown":
+        rows = [{"numbers": list(p.numbers), "target": p.target} for p in make_countdown(
+            total, seed=args.seed, sizes=args.sizes, max_number=args.max_number, max_target=args.max_target)]
+    else:
+        rows = make_arith(total, args.seed, args.max_number, args.steps)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for split, part in (("train", rows[:args.train]), ("test", rows[args.train:])):
+        (tmp / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    tmp.rename(out)  # nothing half-written under --out
+    print(f"wrote {args.train} train / {args.test} test {args.kind} problems to {out}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

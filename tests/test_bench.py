@@ -1,0 +1,100 @@
+"""bench/task_data.py (the CPU experiments' task variants) and bench/plot_curves.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import common  # noqa: E402
+import plot_curves  # noqa: E402
+import task_data  # noqa: E402
+
+
+def template_regex(template: str) -> re.Pattern:
+    """A template as a regex: {a}, {b}, {c} capture integers; names and items match words."""
+    pattern = re.escape(template)
+    for field in ("a", "b", "c"):
+        pattern = pattern.replace(re.escape("{" + field + "}"), rf"(?P<{field}>\d+)", 1)
+        pattern = pattern.replace(re.escape("{" + field + "}"), rf"(?P={field})")
+    for field in ("n", "i"):
+        pattern = pattern.replace(re.escape("{" + field + "}"), r"\w+")
+    return re.compile(pattern + "$")
+
+
+def expected(question: str, a: int, b: int, c: int) -> int:
+    """The answer read off the English, independently of the generator's lambdas."""
+    if "earns" in question:
+        return a * b - c
+    if "box holds" in question:
+        return a * b + c
+    if "found" in question:
+        return a - b + c
+    if "packs with" in question:
+        return a + b * c if " has " in question else a * b
+    return a + b if "more" in question else a - b
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_arith_answers_recomputed_from_the_question(tmp_path: Path, steps: int) -> None:
+    """Every written problem parses back to exactly one template; its numbers give the gold answer; GSM8K's loader and
+    verifier read the folder; train and test are disjoint."""
+    out = tmp_path / "arith"
+    task_data.main(task_data.Args(out=str(out), kind="arith", steps=steps, max_number=12, train=60, test=40))
+    templates = task_data.ONE_STEP if steps == 1 else task_data.TWO_STEP
+    train, test = common.load_task("gsm8k", "train", str(out)), common.load_task("gsm8k", "test", str(out))
+    assert (len(train), len(test)) == (60, 40)
+    assert not {p.question for p in train} & {p.question for p in test}
+    for p in train + test:
+        matches = [(m, f) for t, f in templates if (m := template_regex(t).match(p.question))]
+        assert len(matches) == 1, p.question
+        m, answer = matches[0]
+        numbers = [int(m.group(k)) if k in m.groupdict() else 0 for k in "abc"]
+        assert all(2 <= x <= 12 for x in numbers[: 2 if steps == 1 else 3])
+        assert int(p.answer) == answer(*numbers) == expected(p.question, *numbers) > 0
+        assert common.score("gsm8k", p, f"so \\boxed{{{p.answer}}}") == (1.0, True)
+
+
+def test_countdown_variant_is_solvable_and_in_range(tmp_path: Path) -> None:
+    out = tmp_path / "cd"
+    task_data.main(task_data.Args(out=str(out), kind="countdown", sizes=(3,), max_number=10, max_target=30,
+                                  train=50, test=20))
+    problems = common.load_task("countdown", "train", str(out)) + common.load_task("countdown", "test", str(out))
+    assert len({(tuple(sorted(p.numbers)), p.target) for p in problems}) == 70
+    for p in problems:
+        assert len(p.numbers) == 3 and all(1 <= x <= 10 for x in p.numbers) and 1 <= p.target <= 30
+
+
+def test_existing_out_is_refused_untouched(tmp_path: Path) -> None:
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "keep.txt").write_text("mine")
+    r = subprocess.run([sys.executable, "bench/task_data.py", "--out", str(tmp_path / "x")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "already exists" in r.stderr.strip().splitlines()[-1]
+    assert [f.name for f in (tmp_path / "x").iterdir()] == ["keep.txt"]
+
+
+def test_plot_curves_reads_every_script_layout(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """es.py rows are keyed by iteration, grpo.py by step, grpo_es.py by a global update; first → last per metric."""
+    layouts = {"es": [{"iteration": 0, "eval/accuracy": 0.1},
+                      {"iteration": 1, "train/reward_mean": 0.2, "es/js_succ_bits": 0.3},
+                      {"iteration": 2, "train/reward_mean": 0.4, "es/js_succ_bits": 0.1, "eval/accuracy": 0.25}],
+               "grpo": [{"step": 1, "train/reward_mean": 0.5}, {"step": 2, "train/reward_mean": 0.75}],
+               "mix": [{"update": 1, "iteration": 1, "train/reward_mean": 0.1},
+                       {"update": 3, "step": 1, "train/reward_mean": 0.9}]}
+    for name, rows in layouts.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_curves.load_curves(tmp_path / "mix")["train/reward_mean"] == [(1, 0.1), (3, 0.9)]
+    plot_curves.main(plot_curves.Args(runs=tuple(f"{n}={tmp_path / n}" for n in layouts), out=str(tmp_path / "c.png")))
+    table = capsys.readouterr().out
+    assert "| es | 0.200 → 0.400 | 0.100 → 0.250 | 0.300 → 0.100 |" in table
+    assert "| grpo | 0.500 → 0.750 | – | – |" in table
+    assert (tmp_path / "c.png").stat().st_size > 1000
