@@ -142,6 +142,8 @@ def test_es_iteration_matches_hf_backend(policy: common.VLLMPolicy, tmp_path: Pa
     policy.load_master(Path(common.resolve_model(MODEL)))  # back to θ₀ after the tests above
     data = arithmetic_data(tmp_path / "data")
     monkeypatch.setattr(es, "VLLMPolicy", lambda *args, **kwargs: policy)  # reuse the module's engine
+    closed = []
+    monkeypatch.setattr(policy, "close", lambda: closed.append(True))  # es.main shuts its engine down at the end
     rewards = {}
     evaluate_population = es.evaluate_population
 
@@ -167,6 +169,7 @@ def test_es_iteration_matches_hf_backend(policy: common.VLLMPolicy, tmp_path: Pa
 
     ckpt = {b: load_file(str(run / "checkpoints" / "step_000001" / "model.safetensors")) for b, run in runs.items()}
     assert_same_weights(ckpt["vllm"], ckpt["hf"])
+    assert closed == [True]
 
 
 def test_grpo_steps_keep_the_engine_synced(policy: common.VLLMPolicy, tmp_path: Path,
