@@ -95,7 +95,8 @@ class Args:
     max_new_tokens: int = 1024
     """generation budget per sample"""
     heldout: tuple[str, ...] = ()
-    """held-out tasks (forgetting check) as task=DIR (a folder with {split}.jsonl) or a bare task name"""
+    """held-out tasks (forgetting check) as [NAME:]TASK[=DIR]: a task name, its {split}.jsonl folder, and a table
+    name (default: the task) to tell apart two sets scored by one task, e.g. arith2:gsm8k=data/arith2"""
     base: Optional[str] = None
     """base model θ₀ for functional sparsity: a label from --models or a PATH; unset = no sparsity table"""
     reset_tau: tuple[float, ...] = (2.5e-4, 5e-4, 1e-3, 1.5e-3, 2e-3)
@@ -158,16 +159,20 @@ def parse_models(specs: Sequence[str]) -> dict[str, str]:
     return models
 
 
-def parse_tasks(args: Args) -> list[tuple[Task, Optional[str]]]:
-    """The main task first, then the held-out ones: [(task, data folder or None)]."""
-    tasks: list[tuple[Task, Optional[str]]] = [(args.task, args.data)]
+def parse_tasks(args: Args) -> dict[str, tuple[Task, Optional[str]]]:
+    """The main task first (named after its task), then the held-out ones: {name: (task, data folder or None)}."""
+    tasks: dict[str, tuple[Task, Optional[str]]] = {args.task: (args.task, args.data)}
     for spec in args.heldout:
-        task, data = spec.split("=", 1) if "=" in spec else (spec, None)
+        named, data = spec.split("=", 1) if "=" in spec else (spec, None)
+        name, _, task = named.rpartition(":")
+        name = name or task
         if task not in typing.get_args(Task):
             die(f"--heldout '{spec}': task must be one of {', '.join(typing.get_args(Task))}")
         if data is not None and not Path(data).is_dir():
             die(f"--heldout '{spec}': folder '{data}' does not exist")
-        tasks.append((task, data))
+        if name in tasks:
+            die(f"--heldout '{spec}': the name '{name}' is taken; name this set NAME:{task}=DIR")
+        tasks[name] = (task, data)
     return tasks
 
 
@@ -209,10 +214,10 @@ def set_weights(policy: HFPolicy | VLLMPolicy, weights: dict[str, torch.Tensor])
         sync_weights(policy.llm, weights)
 
 
-def generate(policy: HFPolicy | VLLMPolicy, prompts: list[str], args: Args, task: str, desc: str) -> list[list[Sample]]:
+def generate(policy: HFPolicy | VLLMPolicy, prompts: list[str], args: Args, name: str, desc: str) -> list[list[Sample]]:
     """n samples per prompt, grouped per problem (vLLM: the batch is n·P requests, each with its own seed).
 
-    Seeds depend on (run seed, task, problem chunk) only, never on the model: common random numbers.
+    Seeds depend on (run seed, problem set name, problem chunk) only, never on the model: common random numbers.
     """
     per_call = max(1, args.batch_size // args.n)  # problems per generate call
     grouped: list[list[Sample]] = [[] for _ in prompts]
@@ -220,16 +225,18 @@ def generate(policy: HFPolicy | VLLMPolicy, prompts: list[str], args: Args, task
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start:start + per_call]
             for s in policy.generate(chunk, n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                     top_p=args.top_p, seed=derive_seed(args.seed, task, start)):
+                                     top_p=args.top_p, seed=derive_seed(args.seed, name, start)):
                 grouped[start + s.prompt_index].append(s)
             bar.update(len(chunk))
     return grouped
 
 
-def evaluate(policy: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem], args: Args, desc: str) -> dict:
-    """pass@k, maj@k, mean reward and response length of the loaded weights on one task, + per-problem counts."""
+def evaluate(policy: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem], args: Args, desc: str,
+             name: str) -> dict:
+    """pass@k, maj@k, mean reward and response length of the loaded weights on one problem set (`name`, scored by
+    `task`), + per-problem counts."""
     prompts = [render_prompt(task, p, policy.tokenizer, args.chat_template) for p in problems]
-    grouped = generate(policy, prompts, args, task, desc)
+    grouped = generate(policy, prompts, args, name, desc)
     # (P, n) per problem x and sample j; samples keep generation order, so maj@k votes over the first k
     rewards, correct, answers = (np.zeros((len(problems), args.n)), np.zeros((len(problems), args.n), bool),
                                  [[extract_answer(task, s.text) for s in g] for g in grouped])
@@ -300,7 +307,7 @@ def main(args: Args) -> Path:
     base_path = None if args.base is None else models.get(args.base) or resolve_model(args.base)
     check_tokenizers({**models, **({"--base": base_path} if base_path else {})})
     tasks = parse_tasks(args)
-    problems = {task: load_task(task, args.split, data)[: args.num_problems] for task, data in tasks}
+    problems = {name: load_task(task, args.split, data)[: args.num_problems] for name, (task, data) in tasks.items()}
     run = init_run(args.out_dir, args)
     report = {"task": args.task, "split": args.split, "n": args.n, "ks": k_grid(args.n), "models": models,
               "base": base_path, "results": {}, "sparsity": {}}
@@ -313,8 +320,8 @@ def main(args: Args) -> Path:
         policy = None  # free the previous model before loading the next
         gc.collect()
         policy = backend(path, args.dtype, batch_size=args.batch_size)
-        report["results"][label] = {task: evaluate(policy, task, problems[task], args, f"{label}/{task}")
-                                    for task in problems}
+        report["results"][label] = {name: evaluate(policy, task, problems[name], args, f"{label}/{name}", name)
+                                    for name, (task, _) in tasks.items()}
         main_result = report["results"][label][args.task]
         tqdm.write(f"{label}: " + "  ".join(f"{t} pass@1 {100 * r['pass@k'][1]:.1f}%"
                                             for t, r in report["results"][label].items()))
@@ -329,7 +336,7 @@ def main(args: Args) -> Path:
         for tau in args.reset_tau:
             theta_tau, reset, changed = reset_small_changes(theta, theta0, tau)
             set_weights(policy, theta_tau)
-            r = evaluate(policy, args.task, problems[args.task], args, f"{label}/τ={tau:g}")
+            r = evaluate(policy, args.task, problems[args.task], args, f"{label}/τ={tau:g}", args.task)
             # s_τ = #reset / #changed; D_rel of θ_τ shows how much of ‖Δ‖ the large coordinates carry
             sparsity["taus"].append({"tau": tau, "s_tau": reset / changed if changed else 0.0, "reset": reset,
                                      "changed": changed, "d_rel": relative_drift(theta_tau, theta0),

@@ -108,19 +108,20 @@ def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: P
                                             + "\n" for i in range(2)))
     out = tmp_path / "run"
     result = run_script("--models", f"base={tiny_model}", f"es={es_dir}", "--num-problems", "3", "--n", "4",
-                        "--max-new-tokens", "6", "--heldout", f"gsm8k={gsm}", "--base", "base",
+                        "--max-new-tokens", "6", "--heldout", f"gsm8k={gsm}", f"again:gsm8k={gsm}", "--base", "base",
                         "--reset-tau", "5e-4", "1", "--out-dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
 
     report = json.loads((out / "passk.json").read_text())
     assert report["ks"] == [1, 2, 4] and list(report["results"]) == ["base", "es"]
     for label in ("base", "es"):
-        assert set(report["results"][label]) == {"countdown", "gsm8k"}
+        assert list(report["results"][label]) == ["countdown", "gsm8k", "again"]  # a named second gsm8k set
         r = report["results"][label]["countdown"]
         assert r["num_problems"] == 3 and len(r["correct_counts"]) == 3
         assert r["pass@k"]["1"] == pytest.approx(sum(r["correct_counts"]) / 12)
         assert 0 < r["response_tokens"] <= 6 and set(r["maj@k"]) == {"1", "2", "4"}
     assert len(report["results"]["base"]["gsm8k"]["correct_counts"]) == 2
+    assert report["results"]["base"]["again"]["num_problems"] == 2
     sparsity = report["sparsity"]
     assert list(sparsity) == ["es"]  # the base is not compared with itself
     rows = sparsity["es"]["taus"]
@@ -132,7 +133,8 @@ def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: P
     assert 0 < sparsity["es"]["d_rel"] < 0.1  # ‖Δ‖ ≈ 1e-3·√d against weights of std ≈ 0.02
 
     table = (out / "passk.md").read_text()
-    assert "| base | countdown |" in table and "| es | gsm8k |" in table and "s_τ" in table
+    assert "| base | countdown |" in table and "| es | gsm8k |" in table and "| es | again |" in table
+    assert "s_τ" in table
     assert "| es | full |" in table and table in result.stdout
     png = (out / "passk.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -142,7 +144,7 @@ def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: P
     import matplotlib.pyplot as plt
 
     image = plt.imread(out / "passk.png")
-    assert image.ndim == 3 and image.shape[1] > image.shape[0] > 100  # two panels side by side
+    assert image.ndim == 3 and image.shape[1] > 2 * image.shape[0] > 200  # three panels side by side
     assert (out / "args.json").is_file()
     with pytest.raises(SystemExit, match="already holds passk.json"):  # refuses to overwrite the report
         main(Args(models=(tiny_model,), out_dir=str(out)))
@@ -161,3 +163,5 @@ def test_clear_errors(tiny_model: str, tiny_qwen: str, tmp_path: Path):
     assert "different parameter names" in error(models=(f"a={tiny_model}", f"b={deeper}"), base="a")
     assert "used twice" in error(models=(f"a={tiny_model}", f"a={deeper}"))
     assert "task must be one of" in error(models=(tiny_model,), heldout=("aime",))
+    assert "the name 'countdown' is taken" in error(models=(tiny_model,), heldout=("countdown",))  # the main task
+    assert "the name 'x' is taken" in error(models=(tiny_model,), heldout=("x:gsm8k", "x:math500"))
