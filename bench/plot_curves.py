@@ -59,12 +59,13 @@ def main(args: Args) -> None:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
     print("| run | " + " | ".join(f"{name} (first → last)" for _, name in PANELS) + " |")
     print("|---" * (len(PANELS) + 1) + "|")
-    for label, curves in runs.items():
+    for i, (label, curves) in enumerate(runs.items()):
+        color = f"C{i % 10}"  # one colour per run in every panel (a run may lack a panel's metric, e.g. GRPO's JS)
         cells = []
         for ax, (key, name) in zip(axes, PANELS):
             points = curves[key]
             if points:
-                ax.plot(*zip(*points), marker="o", ms=3, label=label)
+                ax.plot(*zip(*points), marker="o", ms=3, color=color, label=label)
             cells.append(f"{points[0][1]:.3f} → {points[-1][1]:.3f}" if points else "–")
             ax.set(title=name, xlabel="update")
         print(f"| {label} | " + " | ".join(cells) + " |")
