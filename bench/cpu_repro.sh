@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # bench/cpu_repro.sh — the README's "Results (CPU, SmolLM2-135M)": ES, GRPO, GRPO→ES, ES→GRPO and an ES population
 # study on the embedded model, then Pass@K, held-out task, functional sparsity and the training curves.
-# About 2 hours on 2 CPU cores (1 h 56 min measured, CANDIDATES=1); runs two lanes in parallel, one per core (LANES=a or LANES=b runs one; rerunning
-# skips finished steps). 64-sequence GRPO batches are split in 8 micro-batches: one pass over all 64 needs ~20 GB.
+# About 2 hours on 2 CPU cores (1 h 56 min measured, CANDIDATES=1); runs two lanes in parallel, one per core
+# (LANES=a or LANES=b runs one; rerunning skips finished steps). 64-sequence GRPO batches are split in 8
+# micro-batches: one pass over all 64 needs ~20 GB.
 #
 #   bash bench/cpu_repro.sh                          # needs vllm (requirements-vllm-cpu.txt) for the rollouts
 #   PY=/path/to/venv/bin/python OUT=runs/cpu bash bench/cpu_repro.sh
