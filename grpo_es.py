@@ -20,12 +20,13 @@ Notes:
   4. Both stages use the same --seed; each derives its own seeds from it with its own tags.
 
 Run it:
-  CPU, embedded SmolLM2-135M-Instruct, a few minutes:
-    python grpo_es.py --order grpo-es --total-updates 2 --max-new-tokens 32 --eval-every 1 --eval-prompts 4 \
-        --grpo.group-size 4 --grpo.prompts-per-step 2 --es.pop 4 --es.prompts-per-iter 4
-  GPU, [ES-LLM] protocol (GSM8K, 1.5B):
-    python grpo_es.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --data data/gsm8k --chat-template \
-        --order grpo-es --total-updates 500 --grpo.prompts-per-step 32 --grpo.grad-accum 8
+  CPU, the embedded SmolLM2-135M-Instruct at the Quickstart's size (5 GRPO steps, then 5 ES iterations):
+    python grpo_es.py --task arith --chat-template --order grpo-es --total-updates 10 --max-new-tokens 24 \
+        --eval-every 5 --eval-prompts 64 --grpo.prompts-per-step 8 --grpo.lr 2e-5 \
+        --es.pop 8 --es.prompts-per-iter 16 --es.sigma 1e-2 --es.alpha 5e-3
+  GPU, the [ES-LLM] GSM8K protocol, both orders on one budget of 234 updates:
+    python grpo_es.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --chat-template --backend vllm \
+        --order grpo-es --total-updates 234 --max-new-tokens 2048 --grpo.prompts-per-step 64 --grpo.grad-accum 16
 """
 
 from __future__ import annotations
@@ -36,11 +37,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Optional
 
-import tyro
-
 import es
 import grpo
-from common import EMBEDDED_MODEL, Task, die, init_run, latest_checkpoint, log_metrics
+from common import EMBEDDED_MODEL, Task, cli, die, init_run, latest_checkpoint, log_metrics, require
 
 
 @dataclass
@@ -48,11 +47,11 @@ class Args:
     model: str = EMBEDDED_MODEL
     """starting model θ_0: a Hugging Face folder, a hub id, or 'smollm2-135m' (embedded, offline)"""
     task: Task = "countdown"
-    """task both stages train on (SPEC §6)"""
+    """task both stages train on (README: Tasks)"""
     data: Optional[str] = None
-    """folder with train.jsonl/test.jsonl (or a hub dataset id); Countdown is generated when unset"""
+    """folder with train.jsonl/test.jsonl (or a hub dataset id); default: generated or the task's hub dataset"""
     chat_template: bool = False
-    """render prompts with the tokenizer's chat template instead of the raw [Qiu] prompt"""
+    """render prompts with the tokenizer's chat template instead of raw text"""
     seed: int = 0
     """run seed, passed to both stages"""
     out_dir: str = "runs/grpo_es"
@@ -62,17 +61,17 @@ class Args:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """ES: model dtype; GRPO: autocast dtype (its weights stay fp32); auto = bf16 on GPU, fp32 on CPU"""
     eval_every: int = 25
-    """evaluate greedily on held-out problems every this many updates of each stage (and at its start)"""
+    """evaluate greedily on held-out problems every this many updates of each stage, at its start and end (≥ 0)"""
     eval_prompts: int = 200
-    """number of held-out test problems per evaluation"""
+    """number of held-out test problems per evaluation (≥ 1)"""
     max_new_tokens: int = 1024
-    """generation budget per completion"""
+    """generation budget per completion (≥ 1)"""
     batch_size: int = 64
-    """sequences per generate call"""
+    """sequences per generate call (≥ 1)"""
     order: Literal["grpo-es", "es-grpo"] = "grpo-es"
     """which algorithm runs first"""
-    total_updates: int = 500
-    """total budget T: ⌊T/2⌋ updates of the first stage, the rest for the second"""
+    total_updates: int = 234
+    """total budget T (≥ 2): ⌊T/2⌋ updates of the first stage, the rest for the second"""
     grpo: grpo.Args = field(default_factory=grpo.Args)
     """GRPO settings (its steps, model, out_dir and the shared fields above are set by this script)"""
     es: es.Args = field(default_factory=es.Args)
@@ -86,31 +85,34 @@ STAGES = {"grpo": (grpo.main, "steps", "step"), "es": (es.main, "iterations", "i
 
 
 def main(args: Args) -> Path:
-    if args.total_updates < 2:
-        die(f"--total-updates must be at least 2 (one update per stage), got {args.total_updates}")
+    require(args.total_updates >= 2, f"--total-updates must be ≥ 2 (one update per stage), got {args.total_updates}")
     for algo, (_, length_field, _) in STAGES.items():  # these stage fields would be silently overridden below
         stage, default = getattr(args, algo), type(getattr(args, algo))()
         for f in (*SHARED, "model", "out_dir", "resume", length_field):
             if getattr(stage, f) != getattr(default, f):
                 die(f"--{algo}.{f.replace('_', '-')} is set by grpo_es.py; use the top-level flag or --total-updates")
-    run = init_run(args.out_dir, args)
-    budgets = [args.total_updates // 2, args.total_updates - args.total_updates // 2]
+    run, budgets = Path(args.out_dir), [args.total_updates // 2, args.total_updates - args.total_updates // 2]
+    require(not run.is_file(), f"--out-dir '{run}' is a file")
+    require(not (run / "metrics.jsonl").exists(), f"'{run}' already holds a run: choose another --out-dir")
+    # 1. configure both stages: their own flags, the shared ones and their share of the budget; check them all now
+    stages = [(algo, replace(getattr(args, algo), **{f: getattr(args, f) for f in SHARED}, model=args.model,
+                             out_dir=str(run / f"stage{k}-{algo}"), resume=None, **{STAGES[algo][1]: updates}))
+              for k, (algo, updates) in enumerate(zip(args.order.split("-"), budgets), start=1)]
+    for algo, stage in stages:
+        (es.check_args if algo == "es" else grpo.check_args)(stage)
+    init_run(args.out_dir, args)
     model, offset = args.model, 0
-    for k, (algo, updates) in enumerate(zip(args.order.split("-"), budgets), start=1):
-        entry, length_field, step_key = STAGES[algo]
-        # 1. configure the stage: its own flags, the shared ones, the start model and its share of the budget
-        stage = replace(getattr(args, algo), **{f: getattr(args, f) for f in SHARED}, model=model,
-                        out_dir=str(run / f"stage{k}-{algo}"), resume=None, **{length_field: updates})
-
-        # 2. run it; the next stage starts from its final checkpoint
-        stage_run = entry(stage)
+    for k, (algo, stage) in enumerate(stages, start=1):
+        entry, _, step_key = STAGES[algo]
+        # 2. run it from the previous stage's final checkpoint
+        stage_run = entry(replace(stage, model=model))
         model = str(latest_checkpoint(stage_run))
 
         # 3. merge its metrics, stage-tagged, on one update axis
         for line in (stage_run / "metrics.jsonl").read_text().splitlines():
             row = json.loads(line)
             log_metrics(run, {"stage": k, "algo": algo, "update": offset + row[step_key], **row})
-        offset += updates
+        offset += budgets[k - 1]
 
     # 4. the final weights as a plain from_pretrained folder
     shutil.copytree(model, run / "final", ignore=shutil.ignore_patterns("optimizer.pt", "state.json"))
@@ -118,4 +120,4 @@ def main(args: Args) -> Path:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args))

@@ -92,9 +92,9 @@ def test_plot_curves_reads_every_script_layout(tmp_path: Path, capsys: pytest.Ca
     for name, rows in layouts.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert plot_curves.load_curves(tmp_path / "mix")["train/reward_mean"] == [(1, 0.1), (3, 0.9)]
+    assert common.load_curves(tmp_path / "mix")["train/reward_mean"] == [(1, 0.1), (3, 0.9)]
     plot_curves.main(plot_curves.Args(runs=tuple(f"{n}={tmp_path / n}" for n in layouts), out=str(tmp_path / "c.png")))
     table = capsys.readouterr().out
-    assert "| es | 0.200 → 0.400 | 0.100 → 0.250 | 0.300 → 0.100 |" in table
-    assert "| grpo | 0.500 → 0.750 | – | – |" in table
+    assert "| es | 0.200 → 0.400 | – | 0.100 → 0.250 | 0.300 → 0.100 |" in table
+    assert "| grpo | 0.500 → 0.750 | – | – | – |" in table
     assert (tmp_path / "c.png").stat().st_size > 1000

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import re
 import subprocess
 import sys
+import threading
 import time
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+import common
 from common import (HFPolicy, Problem, derive_seed, extract_answer, load_task, make_countdown, noise, render_prompt,
-                    score)
+                    schedule, score)
 
 DATA = Path(__file__).parent / "data"
 
@@ -32,6 +36,23 @@ def test_noise_is_a_function_of_seed_and_name() -> None:
     assert abs(float(torch.corrcoef(torch.stack([a.flatten(), other_name.flatten()]))[0, 1])) < 0.05
     big = noise(1, "x", torch.Size([200_000]), "cpu")
     assert abs(float(big.mean())) < 0.01 and abs(float(big.std()) - 1) < 0.01
+
+
+def test_noise_chunks_are_independent_streams_whatever_the_thread_count() -> None:
+    """A tensor spanning several NOISE_CHUNKs: the chunks are uncorrelated (one generator each, not one seed reused),
+    and the values do not depend on how many threads fill them."""
+    shape, c = torch.Size([3 * common.NOISE_CHUNK + 5]), common.NOISE_CHUNK
+    a = noise(4, "w", shape, "cpu")
+    chunks = a[: 3 * c].view(3, c)
+    assert not torch.equal(chunks[0], chunks[1]) and abs(float(torch.corrcoef(chunks)[0, 1])) < 0.02
+    threads = torch.get_num_threads()
+    try:
+        common._noise_threads.cache_clear()
+        torch.set_num_threads(1)
+        assert torch.equal(noise(4, "w", shape, "cpu"), a)
+    finally:
+        torch.set_num_threads(threads)
+        common._noise_threads.cache_clear()
 
 
 def test_derive_seed_is_stable_across_processes() -> None:
@@ -123,6 +144,32 @@ def solvable(numbers: tuple[int, ...], target: int) -> bool:
     return Fraction(target) in values(tuple(Fraction(x) for x in numbers))
 
 
+def test_countdown_draws_with_a_zero_divisor_are_discarded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A random tree that divides by zero is discarded: the operand left over must not become the target.
+    Scripted draws: numbers (92, 92, 37, 27); 92 − 92 = 0, then 37 / 0 leaves 27 over (the old pool had it)."""
+    class Scripted(random.Random):
+        def __init__(self, seed: int) -> None:
+            super().__init__(seed)
+            self.numbers, self.ops = itertools.cycle([92, 92, 37, 27]), iter("-/" + "+" * 100)
+            self.picks = iter([0, 0, 0, 1] + [0] * 100)
+
+        def randint(self, a: int, b: int) -> int:
+            return next(self.numbers)
+
+        def choice(self, seq):  # the size (from a list), else an operator
+            return 4 if isinstance(seq, list) else next(self.ops)
+
+        def randrange(self, n: int) -> int:
+            return next(self.picks)
+
+    monkeypatch.setattr(common.random, "Random", Scripted)
+    problems = make_countdown(1, seed=0, max_target=1000)  # draw 2, all "+": 92 + 92 + 37 + 27
+    assert [(p.numbers, p.target) for p in problems] == [((92, 92, 37, 27), 248)]
+    monkeypatch.undo()
+    pool = load_task("countdown", "train") + load_task("countdown", "test")
+    assert not [p for p in pool if sorted(p.numbers) == [27, 37, 92, 92] and p.target == 27]
+
+
 def test_countdown_split_is_fixed_disjoint_and_solvable() -> None:
     train, test = load_task("countdown", "train"), load_task("countdown", "test")
     assert len(train) == 10_000 and len(test) == 2_000
@@ -131,6 +178,7 @@ def test_countdown_split_is_fixed_disjoint_and_solvable() -> None:
     assert all(3 <= len(p.numbers) <= 4 and all(1 <= x <= 99 for x in p.numbers) and 1 <= p.target <= 100
                for p in train + test)
     assert all(solvable(p.numbers, p.target) for p in train[:100] + test[:100])
+    assert all(solvable(p.numbers, p.target) for p in random.Random(0).sample(train + test, 300))
     assert load_task("countdown", "test")[0] == test[0]
     small = make_countdown(50, seed=1, sizes=(3,), max_number=9, max_target=20)
     assert all(len(p.numbers) == 3 and p.target <= 20 and solvable(p.numbers, p.target) for p in small)
@@ -168,6 +216,9 @@ COUNTDOWN_CASES = [  # (completion after the prompt's "<think>", numbers/target,
     (" hmm</think>\n<answer>44+19+35</answer>\n\n", P, 0.1 * 0.6 + 1),
     (" hmm</think>\n<answer>044 + 19 + 35</answer>", P, 0.1),  # leading zero: not a Python int literal
     (" hmm</think>\n<answer>44 + 19 + 35 = 98</answer>", P, 0.1),  # '=' is not allowed
+    (" hmm</think>\n<answer>\n44 + 19 + 35</answer>", P, 0.1),  # only digits, + - * / ( ) and spaces: no newline
+    (" hmm</think>\n<answer>44 +\t19 + 35</answer>", P, 0.1),  # no tab
+    (" hmm</think>\n<answer> 44 + 19 + 35 </answer>", P, 1.1),  # spaces are fine
     (" hmm</think>\n<answer>\u0664\u0664 + 19 + 35</answer>", P, 0.1),  # Arabic-Indic digits
     (" hmm</think>\n<answer>\uff14\uff14 + 19 + 35</answer>", P, 0.1),  # full-width digits
     (" hmm</think>\n<answer>__import__('os').system('true')</answer>", P, 0.1),
@@ -215,12 +266,86 @@ def test_gsm8k_loader_and_reward_on_real_records() -> None:
     assert [p.answer for p in problems] == ["18", "3", "70000", "540", "20"]
     assert problems[0].question.startswith("Janet\u2019s ducks lay 16 eggs per day.")
     p = problems[2]
-    assert score("gsm8k", p, "So the profit is \\boxed{70,000}.") == (1.0, True)
-    assert score("gsm8k", p, "He made 5 then 70000 dollars") == (1.0, True)  # last number, no box
+    assert score("gsm8k", p, "So the profit is \\boxed{70000}.") == (1.0, True)
+    assert score("gsm8k", p, "So the profit is \\boxed{70,000}.") == (0.1, True)  # training: no comma removal
+    assert score("gsm8k", p, "He made 5 then 70000 dollars") == (0.0, True)  # no box: reward 0, verdict right
     assert score("gsm8k", p, "The answer is \\boxed{7000}") == (0.1, False)  # formatted but wrong
     assert score("gsm8k", p, "I think it is 70000 or maybe 12") == (0.0, False)
     assert score("gsm8k", p, "nothing") == (0.0, False)
+
+
+# The [ES-LLM] artifact's own cases and the issue's: (completion, gold, training reward, eval verdict)
+PROTOCOL_CASES = [
+    ("Reasoning. \\boxed{18}", "18", 1.0, True),
+    ("Reasoning. \\boxed{19}", "18", 0.1, False),
+    ("The answer is 18.", "18", 0.0, True),  # no box: no training reward, but the evaluation finds 18
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0, True),  # 0.5 normalises to \frac{1}{2}
+    ("\\boxed{\\$18}", "18", 1.0, True),
+    ("\\boxed{18\\%}", "18", 1.0, True),
+    ("\\boxed{ 18 }", "18", 1.0, True),
+    ("\\boxed{\\dfrac12}", "1/2", 1.0, False),  # training: dfrac → frac, \\frac12 → \\frac{1}{2}, 1/2 → \\frac{1}{2};
+    ("\\boxed{\\dfrac{1}{2}}", "1/2", 1.0, True),  # math-verify reads \\dfrac{1}{2}, not the brace-less \\dfrac12
+    ("so \\boxed{x = 7}", "7", 1.0, True),  # a short "x =" prefix is dropped
+    ("\\boxed{5 \\text{ cm}}", "5", 1.0, True),  # a trailing unit is dropped
+    ("\\boxed{.5}", "0.5", 1.0, True),
+    ("\\boxed{18} then \\boxed{19}", "19", 1.0, False),  # training: the last box counts; math-verify (boxed="all")
+    ("\\boxed{19} then \\boxed{18}", "19", 0.1, False),  # reads both boxes as one answer, which is neither
+    ("Work. \\boxed{1,024}", "1024", 0.1, True),  # the verdict compares numbers without commas
+    ("Work.\n#### -3.5", "-3.5", 0.0, True),
+    ("Therefore, the answer is 42.", "42", 0.0, True),
+    ("No numeric result", "42", 0.0, False),
+    ("\\boxed{18", "18", 0.0, False),  # unclosed: no box
+]
+
+
+@pytest.mark.parametrize("completion,gold,reward,verdict", PROTOCOL_CASES)
+def test_gsm8k_protocol_reward_and_verdict(completion: str, gold: str, reward: float, verdict: bool) -> None:
+    assert score("gsm8k", Problem("q", gold), completion) == (reward, verdict)
+
+
+def test_gsm8k_fallback_extraction_and_exact_answers() -> None:
+    """The artifact's fallback (when math-verify extracts nothing): the last `#### x`, else the last \\boxed{x}, else
+    "answer is x"; numbers without commas. Majority votes compare exact values: 1e6 and 1e6 + 1 differ."""
+    assert common._fallback_answer("Work. \\boxed{1,024}") == "1024"
+    assert common._fallback_answer("Work.\n#### -3.5") == "-3.5"
+    assert common._fallback_answer("Therefore, the answer is 42.") == "42"
+    assert common._fallback_answer("#### 1 and the answer is 2 and \\boxed{3}") == "1"
+    assert common._fallback_answer("No numeric result") is None
+    assert extract_answer("gsm8k", "\\boxed{1000000}") != extract_answer("gsm8k", "\\boxed{1000001}")
     assert extract_answer("gsm8k", "so \\boxed{70,000.0}") == "70000" == extract_answer("gsm8k", "it is 70000")
+    assert extract_answer("gsm8k", "\\boxed{0.5}") == "1/2" == extract_answer("gsm8k", "\\boxed{\\frac{1}{2}}")
+
+
+def test_non_numeric_gold_does_not_crash() -> None:
+    problem = Problem("q", "twelve")
+    assert score("gsm8k", problem, "#### 12") == (0.0, False)
+    assert score("gsm8k", problem, "\\boxed{twelve}")[0] == 1.0  # the boxed text equals the gold text
+
+
+HOSTILE = [" x \\boxed{" + "1 + " * 2_500_000,  # 10 MB after an unclosed \\boxed{
+           "\\boxed{" + "\\frac{1}{" * 500 + "2" + "}" * 501,  # 500-deep \\frac
+           "so \\boxed{9^{9^{9^{9}}}}"]  # sympy would compute the power tower for hours
+
+
+def test_scorers_are_bounded_on_hostile_completions_also_off_the_main_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common, "VERIFY_TIMEOUT_S", 3.0)
+    score("math500", Problem("q", "1"), "\\boxed{1}")  # start the helper process outside the timed part
+    results: list = []
+
+    def run() -> None:
+        for text in HOSTILE:
+            start = time.perf_counter()
+            results.append((score("gsm8k", Problem("q", "18"), text), score("math500", Problem("q", "18"), text),
+                            time.perf_counter() - start))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive() and len(results) == 3
+    for (gsm8k, math500, seconds), text in zip(results, HOSTILE):
+        assert not gsm8k[1] and not math500[1], text[:40]
+        assert seconds < 2 * 3.0 + 10  # two verdicts, each at most the time limit (+ slack for a loaded machine)
+    assert score("gsm8k", Problem("q", "18"), "\\boxed{18}") == (1.0, True)  # a killed helper is replaced
 
 
 def test_math500_loader_and_reward_on_real_records() -> None:
@@ -234,16 +359,62 @@ def test_math500_loader_and_reward_on_real_records() -> None:
     assert extract_answer("math500", "so \\boxed{ \\frac{1}{2} }") == "\\frac{1}{2}"
 
 
+def test_gsm8k_prompt_is_the_artifacts_chat_prompt(tiny_model: str) -> None:
+    """System message = the box instruction, user message = the question stripped, generation prompt added."""
+    problem = Problem("  How many?  \n", "3")
+    chat = render_prompt("gsm8k", problem, HFPolicy(tiny_model, device="cpu").tokenizer, chat_template=True)
+    assert chat == ("<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}."
+                    "<|im_end|>\n<|im_start|>user\nHow many?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_arith_task_is_generated_disjoint_and_scored_like_gsm8k() -> None:
+    train, test = load_task("arith", "train"), load_task("arith", "test")
+    assert (len(train), len(test)) == (400, 200) and not {p.question for p in train} & {p.question for p in test}
+    for p in train + test:
+        a, op, b = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", p.question).groups()
+        assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b)) and 1 <= int(a) <= 20
+    p = train[0]
+    assert score("arith", p, f"{p.question[8:-1]} = \\boxed{{{p.answer}}}") == (1.0, True)
+    assert render_prompt("arith", p) == p.question + " Put your final answer within \\boxed{}.\n"
+
+
+def test_schedule_epochs_are_permutations_and_random_is_per_update() -> None:
+    """epoch order: each epoch's batches (contiguous, the last shorter) cover every problem exactly once, a fresh
+    shuffle per epoch; random order: independent draws without replacement."""
+    epoch0 = [schedule(0, t, 10, 4, "epoch") for t in range(3)]
+    assert [len(b) for b in epoch0] == [4, 4, 2] and sorted(np.concatenate(epoch0).tolist()) == list(range(10))
+    epoch1 = np.concatenate([schedule(0, t, 10, 4, "epoch") for t in range(3, 6)])
+    assert sorted(epoch1.tolist()) == list(range(10)) and epoch1.tolist() != np.concatenate(epoch0).tolist()
+    assert schedule(1, 0, 10, 4, "epoch").tolist() != epoch0[0].tolist()
+    draws = [schedule(0, t, 10, 4, "random") for t in range(3)]
+    assert all(len(set(d.tolist())) == 4 for d in draws) and draws[0].tolist() != draws[1].tolist()
+
+
 def test_missing_data_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no train.jsonl or train.json"):
         load_task("gsm8k", "train", str(tmp_path))
     (tmp_path / "test.jsonl").write_text('{"numbers": [1, 2, 3]}\n')
     with pytest.raises(SystemExit, match="every record needs the fields numbers, target"):
         load_task("countdown", "test", str(tmp_path))
-    (tmp_path / "test.jsonl").write_text('{"numbers": [1, 2, 3], "target": 6}\n{oops\n')
-    with pytest.raises(SystemExit, match="is not valid JSON"):
+    (tmp_path / "test.jsonl").write_text('{"numbers": [1, 2, 3], "target": 6}\n\n{oops\n')
+    with pytest.raises(SystemExit, match="test.jsonl, line 3: not valid JSON"):  # the file's line, blank lines counted
+        load_task("countdown", "test", str(tmp_path))
+    (tmp_path / "test.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="no problems in it"):  # an empty split would train on NaN rewards
         load_task("countdown", "test", str(tmp_path))
     (tmp_path / "test.jsonl").write_text('{"numbers": [1, 2, 3], "target": 6}\n')
     assert load_task("countdown", "test", str(tmp_path)) == [Problem(numbers=(1, 2, 3), target=6)]
     with pytest.raises(SystemExit, match="not a folder, a hub id"):
         HFPolicy("./no/such/model")
+
+
+def test_countdown_reference_data_with_fractional_targets(tmp_path: Path) -> None:
+    """[Qiu]'s countdown.json has non-integer targets ("27.4"): numbers compared within 1e-5, as the reference does."""
+    (tmp_path / "train.json").write_text(json.dumps([{"numbers": [2, 5, 7], "target": "0.4"},
+                                                     {"numbers": ["3", "4"], "target": 12}]))
+    problems = load_task("countdown", "train", str(tmp_path))
+    assert [(p.numbers, p.target) for p in problems] == [((2, 5, 7), 0.4), ((3, 4), 12.0)]
+    assert score("countdown", problems[0], " x</think>\n<answer>2 / 5</answer>") == (0.1, False)  # 7 unused
+    assert score("countdown", Problem(numbers=(2, 5, 10), target=0.04), " </think>\n<answer>2 / 5 / 10</answer>") \
+        == (1.1, True)
+    assert "equals 0.04." in render_prompt("countdown", Problem(numbers=(2, 5, 10), target=0.04))

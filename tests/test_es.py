@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import common
 import es
 from common import HFPolicy, noise
 
@@ -87,6 +91,75 @@ def test_es_update_moves_along_the_rewarded_noise(tiny_model: str) -> None:
         assert torch.allclose(policy.master[name], m + 0.1 / 2 * (z * eps1 - z * eps2), rtol=0, atol=1e-8)
 
 
+def hand_update(master0: dict, seeds: list[int], coefs: list[float], scale: float) -> dict:
+    """master0 + scale·Σ_n coefs[n]·ε(seeds[n]), with the noise drawn here and every sum written out."""
+    return {k: m + scale * sum(c * noise(s, k, m.shape, "cpu") for s, c in zip(seeds, coefs)) for k, m in master0.items()}
+
+
+def member_scorer(rewards: list[float], prompts: int):
+    """A reward function that gives member n (its `prompts` calls in order) the reward rewards[n]."""
+    calls = []
+
+    def reward(i: int, text: str) -> tuple[float, bool]:
+        calls.append(i)
+        return rewards[(len(calls) - 1) // prompts], False
+
+    return reward
+
+
+def test_es_step_with_antithetic_pairs_by_hand(tiny_model: str) -> None:
+    """N = 4 antithetic: members (+ε_a, −ε_a, +ε_b, −ε_b) with rewards (1, 0, 0.5, 0.5). By hand: mean 0.5,
+    std = √((0.25 + 0.25 + 0 + 0)/4) = 1/(2√2), z = (√2, −√2, 0, 0); the update is α/4·(√2·ε_a − (−√2)·ε_a)
+    = α/4·2√2·ε_a: the pair's two members push along the same +ε_a."""
+    policy = HFPolicy(tiny_model, "float32", "cpu", es=True)
+    master0 = {k: m.clone() for k, m in policy.master.items()}
+    args = es.Args(model=tiny_model, pop=4, sigma=0.01, alpha=0.1, max_new_tokens=2, antithetic=True)
+    es.es_step(policy, ["ab", "cd"], member_scorer([1.0, 0.0, 0.5, 0.5], 2), args, t=0)
+    (a, a2, b, _), _ = es.member_seeds(args.seed, 0, 4, True)
+    assert a == a2 != b
+    z = 0.5 / (math.sqrt(0.125) + 1e-8)
+    expected = hand_update(master0, [a], [2 * z], 0.1 / 4)
+    for k, m in policy.master.items():
+        torch.testing.assert_close(m, expected[k], rtol=0, atol=2e-7)
+
+
+def test_es_step_with_anchored_weight_decay_by_hand(tiny_model: str) -> None:
+    """AWD after the update: master = θ₀ + (1 − αλ)(θ' − θ₀), θ' = θ + α/N·Σ z_n ε_n. Here θ starts away from θ₀
+    (a first step), so the shrink is visible on both the old drift and the new update."""
+    policy = HFPolicy(tiny_model, "float32", "cpu", es=True)
+    theta0 = {k: m.clone() for k, m in policy.master.items()}
+    policy.add_noise([99], [1.0], 0.02)  # θ = θ₀ + 0.02·ε_99
+    theta = {k: m.clone() for k, m in policy.master.items()}
+    args = es.Args(model=tiny_model, pop=2, sigma=0.01, alpha=0.1, max_new_tokens=2, awd_lambda=2.0)
+    es.es_step(policy, ["ab"], member_scorer([1.0, 0.0], 1), args, t=3)
+    (s1, s2), _ = es.member_seeds(args.seed, 3, 2, False)
+    z = 0.5 / (0.5 + 1e-8)
+    stepped = hand_update(theta, [s1, s2], [z, -z], 0.1 / 2)
+    for k, m in policy.master.items():
+        expected = theta0[k] + (1 - 0.1 * 2.0) * (stepped[k] - theta0[k])
+        torch.testing.assert_close(m, expected, rtol=0, atol=2e-7)
+
+
+def test_a_nan_reward_never_reaches_the_master(tiny_model: str) -> None:
+    policy = HFPolicy(tiny_model, "float32", "cpu", es=True)
+    before = {k: m.clone() for k, m in policy.master.items()}
+    args = es.Args(model=tiny_model, pop=2, sigma=0.01, alpha=0.1, max_new_tokens=2)
+    with pytest.raises(SystemExit, match="reward is not finite"):
+        es.es_step(policy, ["ab"], member_scorer([1.0, float("nan")], 1), args, t=0)
+    assert all(torch.equal(before[k], m) for k, m in policy.master.items())
+
+
+def test_master_on_cpu_gives_the_same_weights(tiny_model: str) -> None:
+    """--master-device: noise is drawn on the model's device either way, so the placement of the master changes no
+    number (on a GPU machine: master on the CPU vs on the GPU; here both are the CPU)."""
+    a, b = HFPolicy(tiny_model, "float32", "cpu", es=True), HFPolicy(tiny_model, "float32", "cpu", es=True,
+                                                                    master_device="cpu")
+    for policy in (a, b):
+        policy.perturb(5, 0.01)
+        policy.add_noise([1, 2], [0.3, -0.7], 0.1)
+    assert all(torch.equal(a.master[k], b.master[k]) for k in a.master)
+
+
 def test_es_learns_a_toy_reward(tiny_model: str) -> None:
     """The tiny random model must learn to emit digits: center reward clearly up after 30 iterations."""
     policy = HFPolicy(tiny_model, "float32", "cpu", es=True)
@@ -113,18 +186,23 @@ TINY_FLAGS = ["--pop", "4", "--prompts-per-iter", "3", "--max-new-tokens", "8", 
 
 def test_es_script_smoke(tiny_model: str, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    run_script("es.py", "--model", tiny_model, *TINY_FLAGS, "--iterations", "3", "--eval-every", "2",
-               "--save-every", "2", "--out-dir", str(run))
+    result = run_script("es.py", "--model", tiny_model, *TINY_FLAGS, "--iterations", "3", "--eval-every", "2",
+                        "--save-every", "2", "--out-dir", str(run))
     rows = read_metrics(run)
-    assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
-    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[3]
+    train, evals = [r for r in rows if "train/reward_mean" in r], [r for r in rows if "eval/accuracy" in r]
+    assert [r["iteration"] for r in train] == [1, 2, 3] and [r["iteration"] for r in evals] == [0, 2, 3]
     for key in ["train/reward_mean", "es/js_succ_bits", "es/coverage", "es/d_rel", "perf/rollout_s"]:
-        assert all(math.isfinite(r[key]) for r in rows[1:]), key
+        assert all(math.isfinite(r[key]) for r in train), key
     info = json.loads((run / "args.json").read_text())
     assert info["args"]["pop"] == 4 and "torch" in info["packages"] and "git_sha" in info
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     model = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000003")
     assert sum(p.numel() for p in model.parameters()) > 0
+    # the estimate before the first iteration, the projection after it, and the picture at the end
+    out = result.stdout
+    assert "3 iterations of 4 members × 3 prompts × ≤ 8 new tokens (≤ 96 generated tokens per iteration)" in out
+    assert "iteration 1 took" in out and f"curves: {run / 'curves.png'}" in out
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a second run into the same directory is refused instead of mixing two runs' logs
     again = run_script("es.py", "--model", tiny_model, "--out-dir", str(run), check=False)
     assert again.returncode != 0 and "already holds a run" in again.stderr
@@ -145,6 +223,42 @@ def test_resume_ends_with_exactly_the_uninterrupted_weights(tiny_model: str, tmp
     assert strip(read_metrics(tmp_path / "full")) == strip(read_metrics(tmp_path / "cut"))
 
 
+def test_resume_takes_every_flag_passed_even_when_it_is_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    ) -> None:
+    """Saved with --eval-every 0 --pop 8; resumed with --eval-every 25 --pop 32 (both es.py's defaults): the flags
+    passed win; the flags not passed come from args.json."""
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = es.Args(eval_every=0, pop=8, sigma=0.02, out_dir=str(run))
+    (run / "args.json").write_text(json.dumps({"args": {**saved.__dict__, "dropped_field": 1}}))
+    monkeypatch.setattr(sys, "argv", ["es.py", "--resume", str(run), "--eval-every", "25", "--pop", "32"])
+    args = common.cli(es.Args)
+    assert (args.eval_every, args.pop, args.sigma, args.resume, args.out_dir) == (25, 32, 0.02, str(run), str(run))
+    monkeypatch.setattr(sys, "argv", ["es.py", "--resume", str(run)])
+    assert common.cli(es.Args) == replace(saved, resume=str(run))
+
+
+BAD_FLAGS = [(["--pop", "0"], "--pop must be ≥ 2"), (["--pop", "-3"], "--pop must be ≥ 2"),
+             (["--sigma", "-1"], "--sigma must be a finite number > 0"), (["--alpha", "0"], "--alpha must be"),
+             (["--iterations", "-1"], "--iterations must be ≥ 1"), (["--prompts-per-iter", "0"], "--prompts-per-iter"),
+             (["--eval-prompts", "0"], "--eval-prompts must be ≥ 1"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+             (["--temperature", "-0.5"], "--temperature must be ≥ 0"), (["--vllm-memory", "1.5"], "--vllm-memory"),
+             (["--pop", "5", "--antithetic"], "--antithetic needs an even --pop"),
+             (["--awd-lambda", "1e9"], "--awd-lambda must be in"), (["--epochs", "0"], "--epochs must be ≥ 1")]
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS)
+def test_bad_flags_stop_before_anything_is_loaded_or_written(flags: list[str], message: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(es, "HFPolicy", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(es, "load_task", lambda *a, **k: pytest.fail("data was read"))
+    monkeypatch.setattr(sys, "argv", ["es.py", *flags, "--out-dir", str(tmp_path / "run")])
+    with pytest.raises(SystemExit) as stop:
+        es.main(common.cli(es.Args))
+    assert str(stop.value.code).startswith(f"error: {message}") and "\n" not in str(stop.value.code)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("script", ["es.py"])
 def test_help_exits_zero_with_warnings_as_errors(script: str) -> None:
     result = run_script("-W", "error", script, "--help")
@@ -153,11 +267,43 @@ def test_help_exits_zero_with_warnings_as_errors(script: str) -> None:
 
 def test_bad_input_is_one_line_error_and_writes_nothing(tmp_path: Path) -> None:
     out = tmp_path / "never"
-    result = run_script("es.py", "--model", str(tmp_path / "missing"), "--out-dir", str(out), check=False)
-    assert result.returncode == 1 and not out.exists()
-    assert result.stderr.strip().splitlines()[-1].startswith("error: model")
-    result = run_script("es.py", "--task", "gsm8k", "--data", str(tmp_path), "--out-dir", str(out), check=False)
-    assert result.returncode == 1 and "no train.jsonl" in result.stderr and not out.exists()
+    for argv, message in [(["--model", str(tmp_path / "missing")], "error: model"),
+                          (["--task", "gsm8k", "--data", str(tmp_path)], "error: no train.jsonl"),
+                          (["--pop", "0"], "error: --pop must be ≥ 2"),
+                          (["--task", "gsm8k", "--data", str(tmp_path / "empty")], "error: task gsm8k"),
+                          (["--out-dir", str(tmp_path / "a-file")], "error: --out-dir")]:
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        (tmp_path / "empty" / "train.jsonl").write_text("")  # an empty split: refused, never NaN weights
+        (tmp_path / "a-file").write_text("")
+        result = run_script("es.py", "--out-dir", str(out), *argv, check=False)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and lines[-1].startswith(message) and "Traceback" not in result.stderr, argv
+        assert not out.exists()
+
+
+def test_ctrl_c_saves_the_last_iteration_and_resumes(tiny_model: str, tmp_path: Path) -> None:
+    """SIGINT mid-run: one line naming the iteration, the checkpoint and the --resume command; exit 130; the
+    checkpoint of the last finished iteration loads; --resume continues from it."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "es.py", "--model", tiny_model, *TINY_FLAGS, "--iterations", "500",
+                             "--eval-every", "0", "--save-every", "1000", "--out-dir", str(run)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    while not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2):
+        assert time.time() < deadline and proc.poll() is None, "the run did not start"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    done = max(r["iteration"] for r in read_metrics(run))
+    last = stderr.strip().splitlines()[-1]
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    assert last == (f"interrupted after update {done}; last checkpoint {run / 'checkpoints' / f'step_{done:06d}'}; "
+                    f"continue with --resume {run}")
+    AutoModelForCausalLM.from_pretrained(run / "checkpoints" / f"step_{done:06d}")
+    assert not list((run / "checkpoints").glob(".tmp*")) and (run / "curves.png").is_file()
+    run_script("es.py", "--resume", str(run), "--iterations", str(done + 1))
+    assert max(r["iteration"] for r in read_metrics(run)) == done + 1
 
 
 def test_es_on_the_embedded_smollm2(tmp_path: Path) -> None:

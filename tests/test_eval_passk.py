@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, make_tiny_model
+from common import Problem, extract_answer, score
 from eval_passk import Args, k_grid, main, maj_at_k, pass_at_k, relative_drift, reset_small_changes
 
 
@@ -60,6 +61,14 @@ def test_maj_at_k_majority_ties_and_none():
     assert maj_at_k(["7", "9"], [False, True], 2) is False  # tie: the earliest answer "7" wins
     assert maj_at_k([None, None, "4"], [False, False, True], 3) is True  # abstentions do not vote
     assert maj_at_k([None, None], [False, False], 2) is False  # nobody answered: wrong
+
+
+def test_maj_at_k_votes_compare_exact_values():
+    """1000000 and 1000001 are two answers, not one vote credited from its first sample."""
+    texts = ["so \\boxed{1000000}", "so \\boxed{1000001}", "it is 1,000,001"]
+    answers = [extract_answer("gsm8k", t) for t in texts]
+    correct = [score("gsm8k", Problem("q", "1000000"), t)[1] for t in texts]
+    assert correct == [True, False, False] and maj_at_k(answers, correct, 3) is False
 
 
 def test_reset_small_changes_counts_and_limits():
@@ -131,6 +140,20 @@ def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: P
     # θ_1 = θ₀ and sampling seeds are shared across models: it must reproduce the base's counts exactly
     assert rows[1]["correct_counts"] == report["results"]["base"]["countdown"]["correct_counts"]
     assert 0 < sparsity["es"]["d_rel"] < 0.1  # ‖Δ‖ ≈ 1e-3·√d against weights of std ≈ 0.02
+
+    # every completion is kept: a row per model × problem set × problem, the greedy one and the n samples
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * (3 + 2 + 2) and {r["model"] for r in rows} == {"base", "es"}
+    row = next(r for r in rows if r["model"] == "es" and r["set"] == "gsm8k" and r["problem"] == 1)
+    assert row["gold"] == "2" and len(row["samples"]) == 4 and set(row["greedy"]) == {"response", "correct", "answer"}
+    counted = [sum(s["correct"] for s in r["samples"]) for r in rows if r["model"] == "es" and r["set"] == "countdown"]
+    assert counted == report["results"]["es"]["countdown"]["correct_counts"]
+    for r in rows:  # each stored verdict is the scorer's verdict on the stored text
+        task = "countdown" if r["set"] == "countdown" else "gsm8k"
+        problem = Problem(numbers=tuple(r["gold"][0]), target=r["gold"][1]) if task == "countdown" else Problem("", r["gold"])
+        assert all(score(task, problem, s["response"])[1] == s["correct"] for s in r["samples"])
+    greedy = [r["greedy"]["correct"] for r in rows if r["model"] == "base" and r["set"] == "gsm8k"]
+    assert report["results"]["base"]["gsm8k"]["greedy"] == pytest.approx(sum(greedy) / 2)
 
     table = (out / "passk.md").read_text()
     assert "| base | countdown |" in table and "| es | gsm8k |" in table and "| es | again |" in table

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,8 +17,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+import common
 import grpo
-from common import HFPolicy
+from common import HFPolicy, Sample
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,6 +98,82 @@ def test_completion_logprobs_match_unpadded(tiny_model: str) -> None:
     assert (entropy >= 0).all() and not entropy.requires_grad
 
 
+def test_k3_kl_by_hand_for_a_policy_other_than_the_reference() -> None:
+    """π_θ(o) = 0.5, π_ref(o) = 0.25: δ = log π_ref − log π_θ = −log 2, KL_t = e^δ − δ − 1 = 0.5 + log 2 − 1;
+    the second token has π_θ = 0.2, π_ref = 0.4: δ = log 2, KL_t = 2 − log 2 − 1. ρ = 1, A = 1: ℓ = −1 + β·KL."""
+    logprobs = torch.log(torch.tensor([[0.5, 0.2]]))
+    ref = torch.log(torch.tensor([[0.25, 0.4]]))
+    loss, _, kl = grpo.per_token_loss(logprobs, logprobs, torch.tensor([1.0]), 0.2, 0.2, beta=0.1, ref_logprobs=ref)
+    expected = torch.tensor([[0.5 + math.log(2) - 1, 2 - math.log(2) - 1]])
+    torch.testing.assert_close(kl, expected)
+    torch.testing.assert_close(loss, -1 + 0.1 * expected)
+
+
+def test_mu2_step_by_hand_with_asymmetric_clipping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """μ = 2 on one group of two one-token completions, rewards (1, 0), lr 0.3, ε_low 0.2, ε_high 0.28.
+
+    The "model" is the two log-probs w themselves. Pass 1: ρ = 1, loss 0, g = (−A/2, +A/2), AdamW's first step
+    moves w by lr·sign(−g) = (+0.3, −0.3). Pass 2 keeps π_old = w₀: ρ = (e^0.3, e^−0.3) = (1.35, 0.74);
+    sample 1 (A > 0) is clipped at 1 + ε_high = 1.28, sample 2 (A < 0) at 1 − ε_low = 0.8: both tokens clipped,
+    no gradient, and AdamW's second step moves w by its momentum alone."""
+    w0 = torch.tensor([-1.0, -2.0])
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(w0.clone())
+    monkeypatch.setattr(grpo, "completion_logprobs", lambda m, ids, am, c, t: (m.w[:, None] + 0, torch.zeros(2, 1)))
+    policy = SimpleNamespace(model=model, device="cpu", tokenizer=SimpleNamespace(pad_token_id=0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.3, weight_decay=0.0)
+    args = grpo.Args(group_size=2, num_iterations=2, lr=0.3, eps_low=0.2, eps_high=0.28, max_grad_norm=0.0)
+    samples = [Sample(0, "a", [5]), Sample(0, "b", [6])]
+    stats = grpo.update(policy, optimizer, None, [[1, 2]], samples, np.array([[1.0, 0.0]]), args)
+
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)  # group advantage, unbiased std
+    loss2 = (-min(math.exp(0.3), 1.28) * a + -min(-math.exp(-0.3) * a, -0.8 * a)) / 2  # mean over 2 sequences
+    assert stats["grpo/loss"] == pytest.approx((0.0 + loss2) / 2, rel=1e-5)  # mean over the μ passes
+    assert stats["grpo/clip_frac"] == pytest.approx(2 / 4)  # 2 clipped token-passes of 4
+    g1 = abs(a / 2)
+    m1, v1 = 0.1 * g1, 0.001 * g1**2
+    step2 = 0.3 * (0.9 * m1 / (1 - 0.9**2)) / (math.sqrt(0.999 * v1 / (1 - 0.999**2)) + 1e-8)
+    step1 = 0.3 * g1 / (g1 + 1e-8)
+    torch.testing.assert_close(model.w.detach(), w0 + torch.tensor([1.0, -1.0]) * (step1 + step2))
+
+
+def test_token_logprobs_equal_the_full_log_softmax_and_use_less_memory() -> None:
+    """The selective log-softmax gives the full (B, C, V) log-softmax's values and gradient. Memory, in units
+    U = one fp32 (B, C, V) tensor above the logits, forward + backward in a fresh process (glibc told to return freed
+    blocks, so peak RSS tracks live tensors): the full version peaks at ~3U (its log-softmax, kept for backward, and
+    the entropy's exp and product); the selective one at ~2U (one fp32 copy kept for backward, the gradient)."""
+    torch.manual_seed(0)
+    logits, tokens = torch.randn(3, 5, 50, requires_grad=True), torch.randint(50, (3, 5))
+    logprobs, entropy = grpo.token_logprobs(logits, tokens, 0.7)
+    logp = torch.log_softmax(logits / 0.7, -1)
+    torch.testing.assert_close(logprobs, logp.gather(-1, tokens[..., None]).squeeze(-1))
+    torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(-1))
+    g1, = torch.autograd.grad(logprobs.sum(), logits)
+    g2, = torch.autograd.grad(logp.gather(-1, tokens[..., None]).sum(), logits)
+    torch.testing.assert_close(g1, g2)
+
+    code = """
+import resource, sys, torch
+import grpo
+logits = torch.randn(8, 64, 32768, requires_grad=True)  # U = 64 MiB
+tokens = torch.randint(32768, (8, 64))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if sys.argv[1] == "full":
+    logp = torch.log_softmax(logits / 0.7, -1)
+    logprobs = logp.gather(-1, tokens[..., None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+else:
+    logprobs, entropy = grpo.token_logprobs(logits, tokens, 0.7)
+logprobs.sum().backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 65536)
+"""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    peak = {how: float(subprocess.run([sys.executable, "-c", code, how], cwd=ROOT, capture_output=True, text=True,
+                                      check=True, env=env).stdout) for how in ("full", "selective")}
+    assert 2.6 < peak["full"] < 3.6 and 1.6 < peak["selective"] < 2.5, peak
+
+
 def test_k3_kl_zero_when_policy_is_reference(tiny_model: str) -> None:
     policy, input_ids, attention_mask, mask = _tiny_batch(tiny_model)
     logprobs, _ = grpo.completion_logprobs(policy.model, input_ids, attention_mask, mask.shape[1], 1.0)
@@ -158,24 +238,44 @@ def test_smoke_subprocess(tiny_model: str, tmp_path: Path) -> None:
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    train, evals = [r for r in rows if "train/reward_mean" in r], [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in evals] == [0, 1, 2]
     assert all(math.isfinite(v) for r in rows for v in r.values())
     for key in ("train/reward_mean", "grpo/zero_std_frac", "grpo/kl", "grpo/clip_frac", "grpo/grad_norm",
-                "grpo/entropy", "train/response_len", "perf/rollout_s", "perf/update_s", "eval/accuracy"):
-        assert key in rows[-1]
+                "grpo/entropy", "train/response_len", "perf/rollout_s", "perf/update_s"):
+        assert key in train[-1]
     ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
-    assert (ckpt / "optimizer.pt").is_file()
+    assert (ckpt / "optimizer.pt").is_file() and (tmp_path / "run" / "curves.png").is_file()
     AutoModelForCausalLM.from_pretrained(ckpt)
+    assert "2 steps of 2 prompts × 2 samples × ≤ 8 new tokens" in out.stdout
+
+
+BAD_FLAGS = [(["--group-size", "1"], "--group-size must be ≥ 2"), (["--lr", "0"], "--lr must be"),
+             (["--steps", "-1"], "--steps must be ≥ 1"), (["--prompts-per-step", "0"], "--prompts-per-step"),
+             (["--temperature", "0"], "--temperature must be > 0"), (["--eps-low", "1"], "--eps-low must be"),
+             (["--num-iterations", "0"], "--num-iterations"), (["--beta", "-1"], "--beta must be ≥ 0"),
+             (["--top-p", "0"], "--top-p must be"), (["--eval-every", "-1"], "--eval-every must be ≥ 0")]
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS)
+def test_bad_flags_stop_before_anything_is_loaded_or_written(flags: list[str], message: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grpo, "HFPolicy", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(grpo, "load_task", lambda *a, **k: pytest.fail("data was read"))
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *flags, "--out-dir", str(tmp_path / "run")])
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(common.cli(grpo.Args))
+    assert str(stop.value.code).startswith(f"error: {message}") and not (tmp_path / "run").exists()
 
 
 def test_resume_equals_uninterrupted(tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a reward the tiny model can move (Countdown would give all-zero rewards, hence no update to compare)
     monkeypatch.setattr(grpo, "score", lambda task, problem, text: (sum(c.isdigit() for c in text) / 8, False))
-    common = dict(model=tiny_model, group_size=4, prompts_per_step=2, max_new_tokens=8, eval_every=0, save_every=2,
-                  lr=1e-2, beta=0.05, num_iterations=2, grad_accum=2)
-    whole = grpo.main(grpo.Args(**common, steps=4, out_dir=str(tmp_path / "whole")))
-    part = grpo.main(grpo.Args(**common, steps=2, out_dir=str(tmp_path / "part")))
-    assert grpo.main(grpo.Args(resume=str(part), steps=4)) == part
+    flags = dict(model=tiny_model, group_size=4, prompts_per_step=2, max_new_tokens=8, eval_every=0, save_every=2,
+                 lr=1e-2, beta=0.05, num_iterations=2, grad_accum=2)
+    whole = grpo.main(grpo.Args(**flags, steps=4, out_dir=str(tmp_path / "whole")))
+    part = grpo.main(grpo.Args(**flags, steps=2, out_dir=str(tmp_path / "part")))
+    assert grpo.main(replace(common.saved_args(grpo.Args, str(part)), steps=4)) == part
 
     a = load_file(str(whole / "checkpoints" / "step_000004" / "model.safetensors"))
     b = load_file(str(part / "checkpoints" / "step_000004" / "model.safetensors"))

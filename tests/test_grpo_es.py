@@ -27,6 +27,17 @@ def test_stage_fields_set_here_are_refused(tmp_path: Path) -> None:
     assert out.returncode == 1 and "--grpo.seed is set by grpo_es.py" in out.stderr
 
 
+@pytest.mark.parametrize("flags,message", [(["--es.pop", "1"], "--pop must be ≥ 2"),
+                                           (["--grpo.group-size", "1"], "--group-size must be ≥ 2"),
+                                           (["--total-updates", "1"], "--total-updates must be ≥ 2")])
+def test_both_stages_are_checked_before_anything_runs(flags: list[str], message: str, tmp_path: Path) -> None:
+    """A bad second-stage flag must not surface after the first stage has trained for hours."""
+    out = subprocess.run([sys.executable, "grpo_es.py", *flags, "--out-dir", str(tmp_path / "r")], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("order", ["grpo-es", "es-grpo"])
 def test_smoke_both_orders(tiny_model: str, tmp_path: Path, order: str) -> None:
     run = tmp_path / "run"
@@ -43,8 +54,9 @@ def test_smoke_both_orders(tiny_model: str, tmp_path: Path, order: str) -> None:
     stage2_args = json.loads((run / f"stage2-{second}" / "args.json").read_text())["args"]
     assert stage2_args["model"] == str(run / f"stage1-{first}" / "checkpoints" / "step_000001")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["stage"], r["algo"], r["update"]) for r in rows] == \
-        [(1, first, 0), (1, first, 1), (2, second, 1), (2, second, 2), (2, second, 3)]
+    kinds = [(r["stage"], r["algo"], r["update"], "eval" if "eval/accuracy" in r else "train") for r in rows]
+    assert kinds == [(1, first, 0, "eval"), (1, first, 1, "train"), (1, first, 1, "eval"), (2, second, 1, "eval"),
+                     (2, second, 2, "train"), (2, second, 2, "eval"), (2, second, 3, "train"), (2, second, 3, "eval")]
     assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, (int, float)))
     AutoModelForCausalLM.from_pretrained(run / "final")
     last = run / f"stage2-{second}" / "checkpoints" / "step_000002" / "model.safetensors"
