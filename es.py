@@ -81,7 +81,7 @@ class Args:
     """number of held-out test problems per evaluation (≥ 1)"""
     save_every: int = 50
     """write a checkpoint every this many iterations, at every epoch's end, at the end and on Ctrl-C (≥ 0; 0 = only
-    at the end)"""
+    at epoch ends and at the end)"""
     max_new_tokens: int = 2048
     """generation budget per completion (≥ 1; [ES-LLM] artifact: 2048, [Qiu]: 1024)"""
     batch_size: int = 64

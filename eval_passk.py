@@ -61,10 +61,10 @@ from typing import Literal, Optional, Sequence
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from common import (EMBEDDED_MODEL, HFPolicy, Problem, Sample, Task, VLLMPolicy, cli, derive_seed, die,
-                    extract_answer, init_run, load_task, load_weights, render_prompt, require, resolve_model, score,
+                    extract_answer, init_run, load_task, load_weights, meta_params, render_prompt, require, resolve_model, score,
                     sync_weights)
 
 
@@ -207,21 +207,14 @@ def check_tokenizers(paths: dict[str, str]) -> None:
                 f"({len(vocabs[first])} vs {len(vocab)} tokens, {len(vocabs[first].items() ^ vocab.items())} differ)")
 
 
-def param_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes of a model folder, read off its config (built on the meta device: no weights)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    return {k: tuple(p.shape) for k, p in model.named_parameters()}
-
-
-def check_shapes(theta: dict[str, torch.Tensor], reference: dict[str, tuple[int, ...]], label: str, first: str) -> None:
+def check_shapes(theta: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], label: str, first: str) -> None:
     """One engine serves every model: each must have the first one's parameter names and shapes."""
     if theta.keys() != reference.keys():
         die(f"'{label}' and '{first}' have different parameter names (e.g. {sorted(theta.keys() ^ reference.keys())[0]})"
             "; one engine serves every model, so they must share one architecture")
-    for k, shape in reference.items():
-        if tuple(theta[k].shape) != shape:
-            die(f"'{label}' and '{first}' differ in the shape of {k}: {shape} vs {tuple(theta[k].shape)}")
+    for k, shape in ((k, p.shape) for k, p in reference.items()):
+        if theta[k].shape != shape:
+            die(f"'{label}' and '{first}' differ in the shape of {k}: {tuple(shape)} vs {tuple(theta[k].shape)}")
 
 
 @torch.no_grad()
@@ -338,7 +331,8 @@ def main(args: Args) -> Path:
     models = {label: resolve_model(path) for label, path in parse_models(args.models).items()}
     base_path = None if args.base is None else models.get(args.base) or resolve_model(args.base)
     check_tokenizers({**models, **({"--base": base_path} if base_path else {})})
-    first, reference = next(iter(models)), param_shapes(next(iter(models.values())))
+    first = next(iter(models))
+    reference = meta_params(models[first])  # its parameter names and shapes, without its weights
     tasks = parse_tasks(args)
     problems = {name: load_task(task, args.split, data)[: args.num_problems] for name, (task, data) in tasks.items()}
     run = init_run(args.out_dir, args)

@@ -92,7 +92,7 @@ class Args:
     """number of held-out test problems per evaluation (≥ 1)"""
     save_every: int = 50
     """write a checkpoint (weights + AdamW state) every this many steps, at every epoch's end, at the end and on
-    Ctrl-C (≥ 0; 0 = only at the end)"""
+    Ctrl-C (≥ 0; 0 = only at epoch ends and at the end)"""
     max_new_tokens: int = 1024
     """generation budget per completion, also the Dr. GRPO normalizer (≥ 1)"""
     batch_size: int = 64

@@ -13,9 +13,9 @@ table shows every step and the ratio uses the mean of steps 2.. (step 1 when --s
 reports the process's CPU seconds per step: on a shared CPU the wall time of two sides run one after the other
 sees different loads; CPU seconds are less sensitive to that (on a GPU they mean little: read the wall time).
 
-Needs `trl` (install it for the bench only; see notes/README-bench.md). Run it (CPU, ~3 min on 2 cores):
-  /work/venv-trl/bin/python bench/grpo_vs_trl.py --prompts 2 --group-size 4 --max-new-tokens 32 --steps 3
-GPU (see bench/gpu.sh):
+Needs `trl`, in its own environment (requirements-trl.txt). Run it (CPU, ~3 min on 2 cores):
+  .venv-trl/bin/python bench/grpo_vs_trl.py --prompts 2 --group-size 4 --max-new-tokens 32 --steps 3
+GPU:
   python bench/grpo_vs_trl.py --model random:qwen2.5-1.5b --dtype bfloat16 --prompts 8 --group-size 8 \
       --max-new-tokens 256 --steps 3
 """

@@ -77,6 +77,18 @@ def test_restore_is_bit_exact_after_many_cycles(tiny_model: str, dtype: str) -> 
     assert all(torch.equal(before[k], p) for k, p in policy.params.items())
 
 
+def test_a_bf16_checkpoint_keeps_its_fp32_master_where_model_loaders_do_not_look(tiny_model: str,
+                                                                               tmp_path: Path) -> None:
+    """Loaders that read every top-level *.safetensors (vLLM's default loader does) must find only the model."""
+    policy = HFPolicy(tiny_model, "bfloat16", "cpu", es=True)
+    policy.add_noise([3], [1.0], 1e-4)  # mostly below bf16's resolution: only the fp32 master keeps it
+    policy.save(tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors")) == ["model.safetensors"]
+    master = common.load_weights(tmp_path / "ckpt")
+    assert all(torch.equal(master[k], m) for k, m in policy.master.items())
+    assert any(not torch.equal(master[k], m.float()) for k, m in policy.params.items())
+
+
 def test_add_then_subtract_restore_drifts_in_bf16(tiny_model: str) -> None:
     """Why the master copy exists: the reference's add-then-subtract restore is lossy in bf16."""
     policy = HFPolicy(tiny_model, "bfloat16", "cpu")

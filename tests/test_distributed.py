@@ -10,8 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
+
+import common
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--pop", "4", "--prompts-per-iter", "3", "--max-new-tokens", "8", "--eval-every", "2", "--eval-prompts", "3",
@@ -56,3 +59,45 @@ def test_a_rank_dying_mid_run_stops_every_rank(tiny_model: str, tmp_path: Path) 
         proc.kill()
     assert proc.returncode != 0
     assert "es.py FAILED" in stderr or "Signal 9" in stderr or "SIGKILL" in stderr, stderr[-2000:]
+
+
+def test_on_gpus_the_process_group_also_has_gloo_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL alone reduces CUDA tensors only ("No backend type associated with device type cpu"): the group gets
+    gloo for CPU tensors beside NCCL. The GPU branch is taken with CUDA faked; the backend string is then used for
+    real on the CPU: a CPU tensor all-reduces through the "cpu:gloo" half."""
+    seen: dict = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: seen.setdefault("device", i))
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend: seen.setdefault("backend", backend))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    assert common.init_distributed() == (1, 2) and seen == {"device": 1, "backend": "cpu:gloo,cuda:nccl"}
+    monkeypatch.undo()
+    cpu_half = seen["backend"].split(",")[0]
+    torch.distributed.init_process_group(cpu_half, init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
+    try:
+        x = torch.ones(3)
+        torch.distributed.all_reduce(x)
+        assert x.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_vllm_es_worker_that_cannot_fit_is_refused_before_the_engine_starts(tiny_model: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """1.5B parameters in bf16 on an 80 GiB GPU: the worker needs 2 + 2 + 4 = 8 bytes per parameter (staged HF copy,
+    θ₀, fp32 master) = 11.2 GiB outside the engine's share; vLLM's default 0.92 leaves 6.4 GiB: refused in one line,
+    before vLLM is imported. 0.7 leaves 24 GiB: fits. --master-device cpu keeps θ₀ and the master in host memory:
+    2 bytes per parameter on the GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (70 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(common, "meta_params", lambda path: {"w": torch.empty(1_500_000_000, device="meta")})
+    with pytest.raises(SystemExit) as stop:
+        common.VLLMPolicy(tiny_model, "bfloat16", es=True, gpu_memory=None)
+    assert str(stop.value.code) == ("error: the ES worker needs 11.2 GiB (8 bytes per parameter) outside the vLLM "
+                                    "engine's share, but only 6.4 GiB of the GPU is left at --vllm-memory 0.92: lower "
+                                    "--vllm-memory, or pass --master-device cpu")
+    common.check_gpu_memory(tiny_model, torch.bfloat16, 0.7, True, None)  # fits: no exit
+    with pytest.raises(SystemExit, match=r"needs 2.8 GiB \(2 bytes per parameter\)"):
+        common.check_gpu_memory(tiny_model, torch.bfloat16, 0.97, True, "cpu")

@@ -1,0 +1,90 @@
+"""bench/gpu_check.py, the script run whenever a GPU is lent: its CPU dry run on a box as bare as that one.
+
+The dry run runs in a subprocess with the optional packages blocked (sys.modules[name] = None: `import` fails and
+find_spec finds nothing), as on a box with only torch and transformers. ~30–60 s on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_check  # noqa: E402
+
+BLOCKED = ("tyro", "trl", "datasets", "vllm", "math_verify", "matplotlib", "pytest", "accelerate")
+
+
+def sections(markdown: str) -> dict[int, str]:
+    """Check number → its section's text ("## 3. …" up to the next "## ")."""
+    return {int(m[1]): m[2] for m in re.finditer(r"^## (\d+)\. (.*?)(?=^## |\Z)", markdown, re.M | re.S)}
+
+
+def test_gpu_sh_parses() -> None:
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu.sh")], check=True)
+
+
+def test_dry_run_on_a_bare_box(tmp_path: Path) -> None:
+    code = (f"import sys, runpy; sys.modules.update({{m: None for m in {BLOCKED!r}}}); "
+            f"sys.argv = ['bench/gpu_check.py', '--dry', '--out', {str(tmp_path)!r}]; "
+            "runpy.run_path('bench/gpu_check.py', run_name='__main__')")
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = (tmp_path / "gpu-check.md").read_text()
+    assert "FAILED" not in md, md
+    for module in BLOCKED:
+        assert re.search(rf"^\| {module} \| absent \|", md, re.M), module
+    found = sections(md)
+    assert sorted(found) == list(range(1, 9)), md
+    assert "skipped: no CUDA device" in found[2]
+    assert "skipped: vllm not installed" in found[7]
+    assert "skipped: trl/tyro not installed" in found[8]
+    # the CPU-capable checks ran and wrote their table rows
+    assert re.search(r"^\| 20 perturb.* \| yes \| 0 \|$", found[3], re.M), found[3]
+    assert re.search(r"^\| master_device=cpu .* \| yes \| 0 \|$", found[3], re.M), found[3]
+    assert re.search(r"^\| random tiny-qwen2 \| .* \| 2 \| 2×4 \| ", found[4], re.M), found[4]
+    assert "update ran: yes" in found[4]
+    assert re.search(r"^\| \(b\) grpo.token_logprobs .*\|$", found[5], re.M), found[5]
+    assert re.search(r"^\| \(a\) old: .* \| \d[\d.e+-]* \|$", found[5], re.M), found[5]  # max abs diff to (b)
+    assert re.search(r"^\| random tiny-qwen2 \| .* \| 2×2×4 \| 2 \| ", found[6], re.M), found[6]
+    assert "## Summary" in md
+
+
+def test_a_failing_check_is_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
+    ctx = gpu_check.Context(True, "cpu", gpu_check.DRY, tmp_path, tmp_path, {})
+
+    def broken(ctx: gpu_check.Context) -> list[str]:
+        raise ValueError("boom | bang\nsecond line")
+
+    def missing(ctx: gpu_check.Context) -> list[str]:
+        raise gpu_check.Skip("vllm not installed")
+
+    assert gpu_check.run_check(broken, ctx, 10) == ("FAILED: ValueError: boom / bang second line", [])
+    assert gpu_check.run_check(missing, ctx, 10) == ("skipped: vllm not installed", [])
+    assert gpu_check.run_check(lambda ctx: ["| a |"], ctx, 10) == ("ok", ["| a |"])
+
+
+def test_a_check_over_its_budget_is_stopped(tmp_path: Path) -> None:
+    ctx = gpu_check.Context(True, "cpu", gpu_check.DRY, tmp_path, tmp_path, {})
+
+    def slow(ctx: gpu_check.Context) -> list[str]:
+        time.sleep(30)
+        return ["never"]
+
+    assert gpu_check.run_check(slow, ctx, 1) == ("skipped: stopped at its 1 s time budget", [])  # not "ok" after 30 s
+
+
+@pytest.mark.parametrize("module", ["vllm", "no_such_module_xyz"])
+def test_present_respects_blocked_modules(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, module, None)
+    assert not gpu_check.present(module)
