@@ -1,12 +1,15 @@
 """Plumbing shared by es.py, grpo.py, grpo_es.py and eval_passk.py — no algorithm lives here.
 
-  1. models     `resolve_model` (local folder, hub id, or the embedded SmolLM2-135M-Instruct) and `HFPolicy`
+  1. models     `resolve_model` (local folder, hub id, or the embedded SmolLM2-135M-Instruct), `HFPolicy`, and
+                `VLLMPolicy` with its worker extension (docs/vllm.md)
   2. noise      `derive_seed`, `noise`: fp32 ε regenerated from (member seed, tensor name), never stored
-  3. tasks      Countdown (own generator), GSM8K, MATH-500: `load_task`, `render_prompt`, `score`, `extract_answer`
-  4. run dirs   `init_run`, `log_metrics`, `save_checkpoint`, `latest_checkpoint` (atomic, resumable)
+  3. tasks      Countdown and arith (generated), GSM8K, MATH-500: `load_task`, `render_prompt`, `score` (verdicts in
+                a time-limited helper process), `extract_answer`
+  4. run dirs   `cli` (with --resume), flag checks, the prompt `schedule`, `init_run`, `log_metrics`,
+                `save_checkpoint` (atomic), Ctrl-C handling, `plot_curves`
 
-A policy (`HFPolicy` here; a vLLM one has the same methods) offers `generate` for rollouts and, for ES, the
-in-place primitives `perturb` / `restore` / `add_noise` on an fp32 master copy of the weights (SPEC §1 precision).
+A policy offers `generate` for rollouts and, for ES, the in-place primitives `perturb` / `restore` / `add_noise` on
+an fp32 master copy of the weights.
 """
 
 from __future__ import annotations
@@ -313,7 +316,7 @@ class VLLMWorker:
 
 
 class VLLMPolicy:
-    """`HFPolicy`'s methods on a vLLM engine (SPEC §2), for rollouts and, with `es=True`, ES inside the worker.
+    """`HFPolicy`'s methods on a vLLM engine (docs/vllm.md), for rollouts and, with `es=True`, ES inside the worker.
 
     Only seeds and scalars are sent for perturb / restore / add_noise. Each weight change costs one load into the
     engine; restores are lazy (the engine is rewritten from the master before the next `generate`, not at all when a
@@ -567,25 +570,31 @@ COUNTDOWN_SYSTEM = ("You are a helpful assistant. You first think about the reas
                     "provide the user with the answer.")
 COUNTDOWN_PREFILL = "Let me solve this step by step.\n<think>"
 BOXED_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
-ARITH_SUFFIX = " Put your final answer within \\boxed{}."
+ARITH_EXAMPLE = ("What is 2 + 3?", "2 + 3 = 5. The answer is \\boxed{5}.")
+"""arith's one-shot example: without it SmolLM2 copies an instruction's empty "\\boxed{}" instead of filling it."""
 
 
 def render_prompt(task: Task, problem: Problem, tokenizer: Any = None, chat_template: bool = False) -> str:
     """The prompt text: [Qiu]'s raw Countdown prompt, the [ES-LLM] artifact's GSM8K/MATH chat prompt (system message
-    + the question), the arith question + a one-line box request; raw (no chat template) unless `chat_template`."""
+    + the question), arith's one-shot exchange + the question; raw (no chat template) unless `chat_template`."""
+    if task == "arith":
+        question, answer = ARITH_EXAMPLE
+        if not chat_template:
+            return f"Q: {question}\nA: {answer}\nQ: {problem.question}\nA:"
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer},
+                    {"role": "user", "content": problem.question}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if task == "countdown":
         user = (f"Using the numbers [{' '.join(map(str, problem.numbers))}], create an equation that equals "
                 f"{problem.target:.10g}. You can use basic arithmetic operations (+, -, *, /) and each number can only be "
                 "used once. Show your work in <think> </think> tags. And return the final answer in <answer> </answer>"
                 " tags, for example <answer> (1 + 2) / 3 </answer>.")
         system, prefill = COUNTDOWN_SYSTEM, COUNTDOWN_PREFILL
-    elif task == "arith":
-        system, user, prefill = None, problem.question + ARITH_SUFFIX, ""
     else:
         system, user, prefill = BOXED_SYSTEM, problem.question.strip(), ""
     if not chat_template:  # [Qiu]'s Countdown text joins its parts without a space
-        return system + user + prefill if task == "countdown" else "\n".join(filter(None, [system, user])) + "\n"
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        return system + user + prefill if task == "countdown" else f"{system}\n{user}\n"
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefill
 
 

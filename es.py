@@ -26,9 +26,9 @@ Reproducibility: every seed derives from --seed. On CPU a run is bitwise reprodu
 exactly the weights of an uninterrupted run; GPU kernels (and vLLM batching) are only statistically reproducible.
 
 Run it:
-  CPU, the embedded SmolLM2-135M-Instruct learning to box its answers to small sums (~10 min on 2 cores):
-    python es.py --task arith --chat-template --pop 8 --prompts-per-iter 16 --max-new-tokens 24 --sigma 1e-2 \
-        --alpha 5e-3 --iterations 10 --eval-every 5 --eval-prompts 64
+  CPU, the embedded SmolLM2-135M-Instruct on small sums (the README's Quickstart, ~10 min on 2 cores):
+    python es.py --task arith --chat-template --pop 8 --prompts-per-iter 8 --max-new-tokens 24 --sigma 5e-3 \
+        --alpha 5e-3 --iterations 6 --eval-every 3 --eval-prompts 64
   GPU, the [ES-LLM] artifact's GSM8K protocol (234 iterations; data from the hub or a folder, see README):
     python es.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --chat-template --backend vllm
   GPU, [Qiu]'s Countdown settings:

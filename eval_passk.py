@@ -40,7 +40,7 @@ n samples, each with its verdict, reward and extracted answer), so a verdict can
 
 Run it:
   CPU, the embedded SmolLM2-135M-Instruct against the Quickstart's es.py checkpoint, a few minutes:
-    python eval_passk.py --models base=smollm2-135m es=runs/es/checkpoints/step_000010 --base base --task arith \
+    python eval_passk.py --models base=smollm2-135m es=runs/quickstart/checkpoints/step_000006 --base base --task arith \
         --chat-template --num-problems 16 --n 8 --max-new-tokens 24 --reset-tau 1e-3 1e-2 --out-dir runs/passk-cpu
   GPU, the [ES-LLM] artifact's GSM8K evaluation (all 1,319 problems) with MATH-500 held out:
     python eval_passk.py --models base=Qwen/Qwen2.5-1.5B-Instruct es=runs/es/checkpoints/step_000234 \

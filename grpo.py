@@ -36,8 +36,8 @@ continues from the checkpoint's weights and AdamW state to exactly the weights o
 
 Run it:
   CPU, the embedded SmolLM2-135M-Instruct on the Quickstart's task and size (~10 min on 2 cores):
-    python grpo.py --task arith --chat-template --prompts-per-step 8 --group-size 8 --max-new-tokens 24 --lr 2e-5 \
-        --steps 10 --eval-every 5 --eval-prompts 64
+    python grpo.py --task arith --chat-template --prompts-per-step 4 --group-size 8 --max-new-tokens 24 --lr 2e-5 \
+        --steps 6 --eval-every 3 --eval-prompts 64
   GPU, the [ES-LLM] GSM8K protocol (2 epochs of 64-prompt steps; data from the hub or a folder, see README):
     python grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --chat-template --backend vllm \
         --prompts-per-step 64 --grad-accum 16 --gradient-checkpointing

@@ -20,10 +20,10 @@ Notes:
   4. Both stages use the same --seed; each derives its own seeds from it with its own tags.
 
 Run it:
-  CPU, the embedded SmolLM2-135M-Instruct at the Quickstart's size (5 GRPO steps, then 5 ES iterations):
-    python grpo_es.py --task arith --chat-template --order grpo-es --total-updates 10 --max-new-tokens 24 \
-        --eval-every 5 --eval-prompts 64 --grpo.prompts-per-step 8 --grpo.lr 2e-5 \
-        --es.pop 8 --es.prompts-per-iter 16 --es.sigma 1e-2 --es.alpha 5e-3
+  CPU, the embedded SmolLM2-135M-Instruct at the Quickstart's size (3 GRPO steps, then 3 ES iterations):
+    python grpo_es.py --task arith --chat-template --order grpo-es --total-updates 6 --max-new-tokens 24 \
+        --eval-every 3 --eval-prompts 64 --grpo.prompts-per-step 4 --grpo.lr 2e-5 \
+        --es.pop 8 --es.prompts-per-iter 8 --es.sigma 5e-3 --es.alpha 5e-3
   GPU, the [ES-LLM] GSM8K protocol, both orders on one budget of 234 updates:
     python grpo_es.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --chat-template --backend vllm \
         --order grpo-es --total-updates 234 --max-new-tokens 2048 --grpo.prompts-per-step 64 --grpo.grad-accum 16

@@ -2,7 +2,7 @@
 
 Ours (`es.evaluate_population`, the real code): for each member, θ = cast(master + σ·ε_n) from the fp32 master with
 i.i.d. per-tensor noise, ONE batched generate over all prompts, score, exact restore θ = cast(master).
-Reference ([Qiu] original HF loop, SPEC §7), re-expressed below in a few lines: for each member, add σ·ε in place to
+Reference ([Qiu] original HF loop), re-expressed below in a few lines: for each member, add σ·ε in place to
 every parameter in the model's dtype with ONE seed for every tensor, HF generate on all prompts at once (left
 padding, greedy), decode, score, then regenerate the same noise and subtract it to restore.
 
@@ -71,7 +71,7 @@ class Args:
     """also write the table to this file"""
 
 
-# ------------------------------------------------------------------ the reference loop ([Qiu] HF code, SPEC §7)
+# ------------------------------------------------------------------ the reference loop ([Qiu] HF code)
 @torch.no_grad()
 def reference_add_noise(model: torch.nn.Module, seed: int, scale: float) -> None:
     """θ += scale·ε in the model dtype; ONE seed for every tensor (equal-shaped tensors get equal noise)."""

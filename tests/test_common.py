@@ -322,6 +322,7 @@ def test_gsm8k_fallback_extraction_and_exact_answers() -> None:
     assert common._fallback_answer("Work.\n#### -3.5") == "-3.5"
     assert common._fallback_answer("Therefore, the answer is 42.") == "42"
     assert common._fallback_answer("#### 1 and the answer is 2 and \\boxed{3}") == "1"
+    assert common._fallback_answer("#### 5 then #### 7, and the answer is 9") == "7"  # the last ####
     assert common._fallback_answer("No numeric result") is None
     assert extract_answer("gsm8k", "\\boxed{1000000}") != extract_answer("gsm8k", "\\boxed{1000001}")
     assert extract_answer("gsm8k", "so \\boxed{70,000.0}") == "70000" == extract_answer("gsm8k", "it is 70000")
@@ -387,7 +388,7 @@ def test_arith_task_is_generated_disjoint_and_scored_like_gsm8k() -> None:
         assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b)) and 1 <= int(a) <= 20
     p = train[0]
     assert score("arith", p, f"{p.question[8:-1]} = \\boxed{{{p.answer}}}") == (1.0, True)
-    assert render_prompt("arith", p) == p.question + " Put your final answer within \\boxed{}.\n"
+    assert render_prompt("arith", p) == f"Q: What is 2 + 3?\nA: 2 + 3 = 5. The answer is \\boxed{{5}}.\nQ: {p.question}\nA:"
 
 
 def test_schedule_epochs_are_permutations_and_random_is_per_update() -> None:

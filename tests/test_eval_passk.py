@@ -79,6 +79,9 @@ def test_reset_small_changes_counts_and_limits():
     assert changed == 6 and reset == 3
     assert torch.equal(theta_tau["a"], torch.tensor([[0.0, 0.0, 0.0], [1e-3, -2e-3, 0.0]]))
     assert torch.equal(theta_tau["b"], torch.tensor([1.0, 1.0, 0.9, 1.0]))
+    exact = {"a": torch.tensor([2.0**-11, 2.0**-11 + 2.0**-30]), "b": torch.zeros(0)}  # |Δ| = τ exactly, and just above
+    out, n_reset, n_changed = reset_small_changes(exact, {"a": torch.zeros(2), "b": torch.zeros(0)}, 2.0**-11)
+    assert (n_reset, n_changed) == (1, 2) and out["a"].tolist() == [0.0, 2.0**-11 + 2.0**-30]  # 0 < |Δ| ≤ τ: reset
     same, reset0, _ = reset_small_changes(theta, theta0, 0.0)
     assert reset0 == 0 and all(torch.equal(same[k], theta[k]) for k in theta)
     back, reset_inf, _ = reset_small_changes(theta, theta0, math.inf)

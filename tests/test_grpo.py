@@ -26,12 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---- unit tests of the math
 def test_group_advantages_by_hand() -> None:
-    rewards = np.array([[1.0, 0.0], [0.1, 0.1]])  # group 2 has zero std
+    rewards = np.array([[1.0, 0.0, 0.5], [0.1, 0.1, 0.1]])  # group 2 has zero std
     a = grpo.group_advantages(rewards, scale=True)
-    std = math.sqrt(((1 - 0.5) ** 2 + (0 - 0.5) ** 2) / (2 - 1))  # unbiased (ddof 1) = 0.7071
-    np.testing.assert_allclose(a, [[0.5 / (std + 1e-4), -0.5 / (std + 1e-4)], [0.0, 0.0]], rtol=1e-12)
-    assert (a[1] == 0).all()  # exactly zero, not ~1e-13
-    np.testing.assert_allclose(grpo.group_advantages(rewards, scale=False), [[0.5, -0.5], [0.0, 0.0]])
+    std = math.sqrt((0.5**2 + 0.5**2 + 0) / (3 - 1))  # unbiased (ddof 1) = 0.5
+    np.testing.assert_allclose(a, [[0.5 / (std + 1e-4), -0.5 / (std + 1e-4), 0.0], [0.0, 0.0, 0.0]], atol=1e-12)
+    assert (a[1] == 0).all()  # exactly zero: mean(0.1, 0.1, 0.1) is 0.1 + 2.8e-17 in floats, which / 1e-4 is not 0
+    np.testing.assert_allclose(grpo.group_advantages(rewards, scale=False), [[0.5, -0.5, 0.0], [0.0, 0.0, 0.0]],
+                               atol=1e-12)
 
 
 def _hand_example() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

