@@ -141,8 +141,8 @@ def test_mu2_step_by_hand_with_asymmetric_clipping(monkeypatch: pytest.MonkeyPat
 def test_token_logprobs_equal_the_full_log_softmax_and_use_less_memory() -> None:
     """The selective log-softmax gives the full (B, C, V) log-softmax's values and gradient. Memory, in units
     U = one fp32 (B, C, V) tensor above the logits, forward + backward in a fresh process (glibc told to return freed
-    blocks, so peak RSS tracks live tensors): the full version peaks at ~3U (its log-softmax, kept for backward, and
-    the entropy's exp and product); the selective one at ~2U (one fp32 copy kept for backward, the gradient)."""
+    blocks, so peak RSS tracks live tensors): the full version holds one U more (its log-softmax, kept for backward,
+    beside the entropy's exp and product); the selective one keeps one fp32 copy for backward, and the gradient."""
     torch.manual_seed(0)
     logits, tokens = torch.randn(3, 5, 50, requires_grad=True), torch.randint(50, (3, 5))
     logprobs, entropy = grpo.token_logprobs(logits, tokens, 0.7)
@@ -172,7 +172,9 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 65536)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     peak = {how: float(subprocess.run([sys.executable, "-c", code, how], cwd=ROOT, capture_output=True, text=True,
                                       check=True, env=env).stdout) for how in ("full", "selective")}
-    assert 2.6 < peak["full"] < 3.6 and 1.6 < peak["selective"] < 2.5, peak
+    # RSS accounting differs between machines (seen: 3.0U/2.0U and 2.2U/1.25U); the saving is what must hold: about
+    # one U, and at least a quarter of the full version's peak
+    assert peak["full"] - peak["selective"] > 0.6 and peak["selective"] < 0.75 * peak["full"], peak
 
 
 def test_k3_kl_zero_when_policy_is_reference(tiny_model: str) -> None:
