@@ -1,0 +1,104 @@
+"""Every command in README.md and docs/*.md: each `python SCRIPT …` parses with that script's own CLI and passes its
+flag checks (a renamed flag or a stale value fails here), each file or script a command names exists, shell
+scripts parse; the Quickstart's training commands run end to end with a tiny model and tiny sizes."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PYTHONS = re.compile(r"^(python3?|\.venv[\w-]*/bin/python)$")
+
+
+def shell_commands(markdown: str) -> list[str]:
+    """The commands in the fenced code blocks: continuation lines joined, comments dropped, `&&` chains split."""
+    commands = []
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", markdown, re.DOTALL):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                commands += [part.strip() for part in line.split("&&")]
+    return commands
+
+
+def without_env(command: str) -> list[str]:
+    """The command's words after its leading `NAME=value` environment settings."""
+    words = shlex.split(command)
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        words = words[1:]
+    return words
+
+
+def script_argv(command: str) -> tuple[str, list[str]] | None:
+    """(script, its arguments) for a `[ENV=…] python[3] SCRIPT …` or `torchrun … SCRIPT …` command, else None."""
+    words = without_env(command)
+    if words and (PYTHONS.match(words[0]) or words[0] == "torchrun"):
+        for i, word in enumerate(words[1:], 1):
+            if word.endswith(".py"):
+                return word, words[i + 1:]
+    return None
+
+
+@functools.cache
+def load_script(path: str):
+    name = Path(path).stem + "_under_test"
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+ALL = [(doc.name, command) for doc in DOCS for command in shell_commands(doc.read_text())]
+
+
+def test_the_docs_have_commands() -> None:
+    assert len([c for _, c in ALL if script_argv(c)]) >= 15 and {d.name for d in DOCS} >= {
+        "README.md", "gpu.md", "vllm.md", "benchmarks.md", "results-cpu.md"}
+
+
+@pytest.mark.parametrize("doc,command", ALL, ids=[f"{d}:{c[:60]}" for d, c in ALL])
+def test_every_command_in_the_docs_is_current(doc: str, command: str, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a fresh clone has no runs/: --out-dir checks see an empty place
+    found, words = script_argv(command), without_env(command)
+    if found:
+        script, argv = found
+        assert (ROOT / script).is_file(), script
+        sys.path.insert(0, str(ROOT / "bench"))
+        module = load_script(script)
+        args = tyro.cli(module.Args, args=argv)  # flags, choices and types, by the script's own parser
+        if hasattr(module, "check_args"):
+            module.check_args(args)  # ranges (no model is loaded)
+    elif words[0] in ("bash", "sh"):
+        assert subprocess.run(["bash", "-n", str(ROOT / words[1])]).returncode == 0
+    elif "pip" in words[0] or words[:2] == ["python3", "-m"] and "venv" in words:
+        for i, word in enumerate(words):
+            if word == "-r":
+                assert (ROOT / words[i + 1]).is_file(), words[i + 1]
+    else:
+        assert words[0] in ("mkdir", "cp", "cd", "git", "pytest") or PYTHONS.match(words[0]), command
+
+
+QUICKSTART = [script_argv(c) for c in shell_commands((ROOT / "README.md").read_text().split("## Files")[0])]
+
+
+@pytest.mark.parametrize("script,argv", [q for q in QUICKSTART if q and q[0] in ("es.py", "grpo.py")])
+def test_the_quickstart_training_commands_run(script: str, argv: list[str], tiny_model: str, tmp_path: Path) -> None:
+    """As written, with the tiny random model and tiny sizes appended (tyro keeps the last value of a flag)."""
+    tiny = {"es.py": ["--iterations", "2", "--pop", "2", "--prompts-per-iter", "2"],
+            "grpo.py": ["--steps", "2", "--group-size", "2", "--prompts-per-step", "2"]}[script]
+    result = subprocess.run([sys.executable, script, *argv, "--model", tiny_model, *tiny, "--max-new-tokens", "4",
+                             "--eval-every", "1", "--eval-prompts", "2", "--out-dir", str(tmp_path / "run")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run" / "curves.png").is_file() and (tmp_path / "run" / "checkpoints").is_dir()
