@@ -136,7 +136,8 @@ def check_gpu_memory(path: str, dtype: torch.dtype, share: float, es: bool, mast
     if not (es and torch.cuda.is_available()):
         return
     per_param = dtype.itemsize + (0 if master_device == "cpu" else 4 + dtype.itemsize)  # bf16: 8 bytes per parameter
-    need, outside = sum(p.numel() for p in meta_params(path).values()) * per_param, (1 - share) * torch.cuda.mem_get_info()[1]
+    need = sum(p.numel() for p in meta_params(path).values()) * per_param
+    outside = (1 - share) * torch.cuda.mem_get_info()[1]
     require(need < outside, f"the ES worker needs {need / 2**30:.1f} GiB ({per_param} bytes per parameter) outside "
             f"the vLLM engine's share, but only {outside / 2**30:.1f} GiB of the GPU is left at --vllm-memory {share}: "
             "lower --vllm-memory, or pass --master-device cpu")
@@ -297,7 +298,8 @@ class VLLMWorker:
 
     def es_init(self, master_device: Optional[str]) -> None:
         dtype = str(self.model_config.dtype).removeprefix("torch.")
-        self.es_policy = HFPolicy(self.model_config.model, dtype, str(self.device), es=True, master_device=master_device)
+        self.es_policy = HFPolicy(self.model_config.model, dtype, str(self.device), es=True,
+                                  master_device=master_device)
 
     def es_call(self, method: str, *args: Any) -> Any:
         return getattr(self.es_policy, method)(*args)
@@ -586,9 +588,9 @@ def render_prompt(task: Task, problem: Problem, tokenizer: Any = None, chat_temp
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if task == "countdown":
         user = (f"Using the numbers [{' '.join(map(str, problem.numbers))}], create an equation that equals "
-                f"{problem.target:.10g}. You can use basic arithmetic operations (+, -, *, /) and each number can only be "
-                "used once. Show your work in <think> </think> tags. And return the final answer in <answer> </answer>"
-                " tags, for example <answer> (1 + 2) / 3 </answer>.")
+                f"{problem.target:.10g}. You can use basic arithmetic operations (+, -, *, /) and each number can "
+                "only be used once. Show your work in <think> </think> tags. And return the final answer in "
+                "<answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.")
         system, prefill = COUNTDOWN_SYSTEM, COUNTDOWN_PREFILL
     else:
         system, user, prefill = BOXED_SYSTEM, problem.question.strip(), ""
@@ -693,7 +695,8 @@ def _normalize_math(answer: str) -> str:
     """MATH-style normalisation of a final answer (Hendrycks et al.'s, as the [ES-LLM] artifact applies it): drop
     newlines, spaces, \\!, \\left/\\right, \\$, \\%, degrees, one trailing `\\text{ unit}` and an `x=` prefix;
     tfrac/dfrac → frac; \\frac12 → \\frac{1}{2}; \\sqrt2 → \\sqrt{2}; a leading '.' → '0.'; 0.5 and a/b → fractions."""
-    s = answer.replace("\n", "").replace("\\!", "").replace("\\\\", "\\").replace("tfrac", "frac").replace("dfrac", "frac")
+    s = answer.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
+    s = s.replace("tfrac", "frac").replace("dfrac", "frac")
     for junk in ("\\left", "\\right", "^{\\circ}", "^\\circ", "\\$", "\\%"):
         s = s.replace(junk, "")
     if s.count("\\text{ ") == 1:  # "5 \\text{ cm}" → "5 "
@@ -716,7 +719,8 @@ def _normalize_math(answer: str) -> str:
     return s
 
 
-_FALLBACKS = (re.compile(r"####\s*(-?[\d,]+\.?\d*)"), None, re.compile(r"(?:answer|result)\s+(?:is|=)\s*(-?[\d,]+\.?\d*)", re.I))
+_FALLBACKS = (re.compile(r"####\s*(-?[\d,]+\.?\d*)"), None,
+              re.compile(r"(?:answer|result)\s+(?:is|=)\s*(-?[\d,]+\.?\d*)", re.I))
 
 
 def _fallback_answer(text: str) -> Optional[str]:
@@ -729,7 +733,8 @@ def _fallback_answer(text: str) -> Optional[str]:
 
 
 def _exact(answer: str) -> str:
-    """A canonical, exact form of an answer: a number as a reduced fraction ("70000", "1/2"), else the normalised text."""
+    """A canonical, exact form of an answer: a number as a reduced fraction ("70000", "1/2"), else the normalised
+    text."""
     s = _normalize_math(answer.replace(",", "").strip())
     frac = re.fullmatch(r"(-?)\\frac\{(\d+)\}\{(\d+)\}", s)
     try:
@@ -804,7 +809,8 @@ def _math_verify_here(gold: str, completion: str, task: Task) -> Optional[bool]:
     try:
         if task == "math500":
             g, p = parse(f"${gold}$"), parse(completion)
-        else:  # the [ES-LLM] artifact's GSM8K settings: boxed answers first, LaTeX only with an anchor, then expressions
+        else:  # the [ES-LLM] artifact's GSM8K settings: boxed answers first, LaTeX only with an anchor, then
+            # expressions
             latex = LatexExtractionConfig(normalization_config=LatexNormalizationConfig(
                 nits=False, malformed_operators=False, basic_latex=True, boxed="all", units=True),
                 boxed_match_priority=0, try_extract_without_anchor=False)
@@ -905,7 +911,8 @@ def evaluate(policy: Any, task: Task, problems: list[Problem], max_new_tokens: i
     for start in tqdm(range(0, len(prompts), policy.batch_size), desc=desc, unit="batch", leave=False):
         chunk = policy.generate(prompts[start:start + policy.batch_size], max_new_tokens=max_new_tokens)
         scored += [score(task, problems[start + x.prompt_index], x.text) for x in chunk]
-    return {"eval/reward": float(np.mean([r for r, _ in scored])), "eval/accuracy": float(np.mean([c for _, c in scored]))}
+    return {"eval/reward": float(np.mean([r for r, _ in scored])),
+            "eval/accuracy": float(np.mean([c for _, c in scored]))}
 
 
 def log_metrics(run: Path, row: dict[str, Any]) -> None:

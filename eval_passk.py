@@ -40,8 +40,9 @@ n samples, each with its verdict, reward and extracted answer), so a verdict can
 
 Run it:
   CPU, the embedded SmolLM2-135M-Instruct against the Quickstart's es.py checkpoint, a few minutes:
-    python eval_passk.py --models base=smollm2-135m es=runs/quickstart/checkpoints/step_000006 --base base --task arith \
-        --chat-template --num-problems 16 --n 8 --max-new-tokens 24 --reset-tau 1e-3 1e-2 --out-dir runs/passk-cpu
+    python eval_passk.py --models base=smollm2-135m es=runs/quickstart/checkpoints/step_000006 --base base \
+        --task arith --chat-template --num-problems 16 --n 8 --max-new-tokens 24 --reset-tau 1e-3 1e-2 \
+        --out-dir runs/passk-cpu
   GPU, the [ES-LLM] artifact's GSM8K evaluation (all 1,319 problems) with MATH-500 held out:
     python eval_passk.py --models base=Qwen/Qwen2.5-1.5B-Instruct es=runs/es/checkpoints/step_000234 \
         --task gsm8k --chat-template --backend vllm --heldout math500 --base base --out-dir runs/passk-gsm8k
@@ -64,8 +65,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from common import (EMBEDDED_MODEL, HFPolicy, Problem, Sample, Task, VLLMPolicy, cli, derive_seed, die,
-                    extract_answer, init_run, load_task, load_weights, meta_params, render_prompt, require, resolve_model, score,
-                    sync_weights)
+                    extract_answer, init_run, load_task, load_weights, meta_params, render_prompt, require,
+                    resolve_model, score, sync_weights)
 
 
 @dataclass
@@ -210,8 +211,9 @@ def check_tokenizers(paths: dict[str, str]) -> None:
 def check_shapes(theta: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], label: str, first: str) -> None:
     """One engine serves every model: each must have the first one's parameter names and shapes."""
     if theta.keys() != reference.keys():
-        die(f"'{label}' and '{first}' have different parameter names (e.g. {sorted(theta.keys() ^ reference.keys())[0]})"
-            "; one engine serves every model, so they must share one architecture")
+        example = sorted(theta.keys() ^ reference.keys())[0]
+        die(f"'{label}' and '{first}' have different parameter names (e.g. {example}); one engine serves every "
+            "model, so they must share one architecture")
     for k, shape in ((k, p.shape) for k, p in reference.items()):
         if theta[k].shape != shape:
             die(f"'{label}' and '{first}' differ in the shape of {k}: {tuple(shape)} vs {tuple(theta[k].shape)}")
@@ -265,8 +267,8 @@ def evaluate(policy: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem],
                            for s, c, r, a in zip(group, correct[x], rewards[x], answers[x])]}
         if greedy:
             text = greedy_samples[x].text
-            row["greedy"] = {"response": text, "correct": score(task, problem, text)[1],
-                             "answer": extract_answer(task, text)}
+            reward, right = score(task, problem, text)
+            row["greedy"] = {"response": text, "correct": right, "reward": reward, "answer": extract_answer(task, text)}
         rows.append(row)
     counts = correct.sum(1)  # c(x), (P,): enough to recompute pass@k for any k ≤ n later
     ks = k_grid(args.n)
@@ -293,7 +295,8 @@ def markdown(report: dict) -> str:
             lines.append("| " + " | ".join(cells) + " |")
     if report.get("sparsity"):
         lines += ["", f"Functional sparsity on {report['task']} (pass@1 in %, n = {report['n']}; base: "
-                      f"{report['base']})", "", "| model | τ | s_τ | D_rel | pass@1 | Δ vs full |", "|---|---|---|---|---|---|"]
+                      f"{report['base']})", "", "| model | τ | s_τ | D_rel | pass@1 | Δ vs full |",
+                  "|---|---|---|---|---|---|"]
         for label, sp in report["sparsity"].items():
             lines.append(f"| {label} | full | 0.0% | {sp['d_rel']:.2e} | {100 * sp['pass@1']:.1f} | — |")
             for row in sp["taus"]:
@@ -337,7 +340,7 @@ def main(args: Args) -> Path:
     problems = {name: load_task(task, args.split, data)[: args.num_problems] for name, (task, data) in tasks.items()}
     run = init_run(args.out_dir, args)
     report = {"task": args.task, "split": args.split, "n": args.n, "ks": k_grid(args.n), "models": models,
-              "base": base_path, "results": {}, "sparsity": {}}
+              "base": args.base, "results": {}, "sparsity": {}}
     # one engine for every model (deviation 4), built with the first model's weights
     policy = (VLLMPolicy(models[first], args.dtype, batch_size=args.batch_size, gpu_memory=args.vllm_memory)
               if args.backend == "vllm" else HFPolicy(models[first], args.dtype, batch_size=args.batch_size))

@@ -144,7 +144,8 @@ class Args:
 def check_args(args: Args) -> None:
     """Every numeric flag in its range (the Args docstrings), before anything is loaded or written."""
     check_run_args(args)
-    require(args.group_size >= 2, f"--group-size must be ≥ 2 (a group's advantages need two samples), got {args.group_size}")
+    require(args.group_size >= 2,
+            f"--group-size must be ≥ 2 (a group's advantages need two samples), got {args.group_size}")
     for flag in ("prompts_per_step", "num_iterations", "grad_accum"):
         require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
     require(args.steps is None or args.steps >= 1, f"--steps must be ≥ 1, got {args.steps}")
@@ -296,8 +297,9 @@ def update(policy: HFPolicy, optimizer: torch.optim.Optimizer, ref_model: Option
         sums["grad_norm"] += float(grad_norm) / args.num_iterations
     model.eval()
     passes = num_tokens * args.num_iterations
-    return {"grpo/loss": sums["loss"], "grpo/entropy": sums["entropy"] / num_tokens, "grpo/clip_frac": sums["clip"] / passes,
-            "grpo/kl": sums["kl"] / passes, "grpo/grad_norm": sums["grad_norm"]}
+    return {"grpo/loss": sums["loss"], "grpo/entropy": sums["entropy"] / num_tokens,
+            "grpo/clip_frac": sums["clip"] / passes, "grpo/kl": sums["kl"] / passes,
+            "grpo/grad_norm": sums["grad_norm"]}
 
 
 def main(args: Args) -> Path:

@@ -1,4 +1,4 @@
-"""bench/task_data.py (the CPU experiments' task variants) and bench/plot_curves.py."""
+"""bench/task_data.py (the CPU experiments' task variants), bench/plot_curves.py and bench/paired_greedy.py."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import common  # noqa: E402
+import paired_greedy  # noqa: E402
 import plot_curves  # noqa: E402
 import task_data  # noqa: E402
 
@@ -98,3 +99,18 @@ def test_plot_curves_reads_every_script_layout(tmp_path: Path, capsys: pytest.Ca
     assert "| es | 0.200 → 0.400 | – | 0.100 → 0.250 | 0.300 → 0.100 |" in table
     assert "| grpo | 0.500 → 0.750 | – | – | – |" in table
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_paired_greedy_by_hand() -> None:
+    """Per-problem greedy rewards base (1, 0.1, 0, 1) and es (1, 1, 0.1, 0): d = (0, 0.9, 0.1, −1), mean 0,
+    SE = √(1.82/3)/2; correctness d = (0, 1, 0, −1): SE = √(2/3)/2, one problem won (x = 1), one lost (x = 3)."""
+    def rows(model: str, rewards: list[float]) -> list[dict]:
+        return [{"model": model, "set": "arith", "problem": x, "greedy": {"reward": r, "correct": r == 1}}
+                for x, r in enumerate(rewards)]
+    other_set = [{**row, "set": "other"} for row in rows("base", [0, 0, 0, 0])]  # no es rows: not compared
+    (r,) = paired_greedy.compare(rows("es", [1, 1, 0.1, 0]) + rows("base", [1, 0.1, 0, 1]) + other_set, "base")
+    assert (r["model"], r["set"], r["problems"], r["won"], r["lost"]) == ("es", "arith", 4, 1, 1)
+    assert r["reward"] == pytest.approx((0.525, 0.525, 0.0, (1.82 / 3) ** 0.5 / 2))
+    assert r["correct"] == pytest.approx((0.5, 0.5, 0.0, (2 / 3) ** 0.5 / 2))
+    up = paired_greedy.compare(rows("es", [1, 1, 1, 1]) + rows("base", [1, 0.1, 0, 1]), "base")[0]
+    assert up["reward"][2] == pytest.approx(0.475) and up["won"] == 2 and up["lost"] == 0

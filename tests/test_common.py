@@ -59,7 +59,7 @@ def test_derive_seed_is_stable_across_processes() -> None:
     code = "from common import derive_seed; print(derive_seed(3, 'member', 5, 1))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parents[1], env={"PYTHONHASHSEED": "123"}).stdout
-    assert int(out) == derive_seed(3, "member", 5, 1) and derive_seed(3, "member", 5, 1) != derive_seed(3, "member", 5, 2)
+    assert int(out) == derive_seed(3, "member", 5, 1) != derive_seed(3, "member", 5, 2)
 
 
 # ---------------------------------------------------------------------------------------------------- ES primitives
@@ -388,7 +388,8 @@ def test_arith_task_is_generated_disjoint_and_scored_like_gsm8k() -> None:
         assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b)) and 1 <= int(a) <= 20
     p = train[0]
     assert score("arith", p, f"{p.question[8:-1]} = \\boxed{{{p.answer}}}") == (1.0, True)
-    assert render_prompt("arith", p) == f"Q: What is 2 + 3?\nA: 2 + 3 = 5. The answer is \\boxed{{5}}.\nQ: {p.question}\nA:"
+    example = "Q: What is 2 + 3?\nA: 2 + 3 = 5. The answer is \\boxed{5}.\n"
+    assert render_prompt("arith", p) == f"{example}Q: {p.question}\nA:"
 
 
 def test_schedule_epochs_are_permutations_and_random_is_per_update() -> None:

@@ -93,7 +93,8 @@ def test_es_update_moves_along_the_rewarded_noise(tiny_model: str) -> None:
 
 def hand_update(master0: dict, seeds: list[int], coefs: list[float], scale: float) -> dict:
     """master0 + scale·Σ_n coefs[n]·ε(seeds[n]), with the noise drawn here and every sum written out."""
-    return {k: m + scale * sum(c * noise(s, k, m.shape, "cpu") for s, c in zip(seeds, coefs)) for k, m in master0.items()}
+    return {k: m + scale * sum(c * noise(s, k, m.shape, "cpu") for s, c in zip(seeds, coefs))
+            for k, m in master0.items()}
 
 
 def member_scorer(rewards: list[float], prompts: int):

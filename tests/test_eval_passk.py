@@ -148,13 +148,16 @@ def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: P
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * (3 + 2 + 2) and {r["model"] for r in rows} == {"base", "es"}
     row = next(r for r in rows if r["model"] == "es" and r["set"] == "gsm8k" and r["problem"] == 1)
-    assert row["gold"] == "2" and len(row["samples"]) == 4 and set(row["greedy"]) == {"response", "correct", "answer"}
+    assert row["gold"] == "2" and len(row["samples"]) == 4
+    assert set(row["greedy"]) == {"response", "correct", "reward", "answer"}
     counted = [sum(s["correct"] for s in r["samples"]) for r in rows if r["model"] == "es" and r["set"] == "countdown"]
     assert counted == report["results"]["es"]["countdown"]["correct_counts"]
     for r in rows:  # each stored verdict is the scorer's verdict on the stored text
         task = "countdown" if r["set"] == "countdown" else "gsm8k"
-        problem = Problem(numbers=tuple(r["gold"][0]), target=r["gold"][1]) if task == "countdown" else Problem("", r["gold"])
+        problem = (Problem(numbers=tuple(r["gold"][0]), target=r["gold"][1]) if task == "countdown"
+                   else Problem("", r["gold"]))
         assert all(score(task, problem, s["response"])[1] == s["correct"] for s in r["samples"])
+        assert score(task, problem, r["greedy"]["response"]) == (r["greedy"]["reward"], r["greedy"]["correct"])
     greedy = [r["greedy"]["correct"] for r in rows if r["model"] == "base" and r["set"] == "gsm8k"]
     assert report["results"]["base"]["gsm8k"]["greedy"] == pytest.approx(sum(greedy) / 2)
 

