@@ -89,16 +89,30 @@ def test_every_command_in_the_docs_is_current(doc: str, command: str, tmp_path: 
         assert words[0] in ("mkdir", "cp", "cd", "git", "pytest") or PYTHONS.match(words[0]), command
 
 
-QUICKSTART = [script_argv(c) for c in shell_commands((ROOT / "README.md").read_text().split("## Files")[0])]
+README = (ROOT / "README.md").read_text()
+QUICKSTART = [script_argv(c) for c in shell_commands(README.split("## Files")[0])]
+CPU_SIZED = [found for c in shell_commands(README) if (found := script_argv(c))
+             and found[0] in ("es.py", "grpo.py", "grpo_es.py") and not {"--model", "--resume"} & set(found[1])]
+TINY = {"es.py": ["--iterations", "2", "--pop", "2", "--prompts-per-iter", "2"],
+        "grpo.py": ["--steps", "2", "--group-size", "2", "--prompts-per-step", "2"],
+        "grpo_es.py": ["--total-updates", "2", "--es.pop", "2", "--es.prompts-per-iter", "2", "--grpo.group-size", "2",
+                       "--grpo.prompts-per-step", "2"]}
 
 
-@pytest.mark.parametrize("script,argv", [q for q in QUICKSTART if q and q[0] in ("es.py", "grpo.py")])
-def test_the_quickstart_training_commands_run(script: str, argv: list[str], tiny_model: str, tmp_path: Path) -> None:
-    """As written, with the tiny random model and tiny sizes appended (tyro keeps the last value of a flag)."""
-    tiny = {"es.py": ["--iterations", "2", "--pop", "2", "--prompts-per-iter", "2"],
-            "grpo.py": ["--steps", "2", "--group-size", "2", "--prompts-per-step", "2"]}[script]
-    result = subprocess.run([sys.executable, script, *argv, "--model", tiny_model, *tiny, "--max-new-tokens", "4",
-                             "--eval-every", "1", "--eval-prompts", "2", "--out-dir", str(tmp_path / "run")],
+def test_the_quickstart_trains_with_es() -> None:
+    quick = [q for q in QUICKSTART if q]
+    assert [script for script, _ in quick] == ["es.py"] and quick[0] in CPU_SIZED
+    assert {script for script, _ in CPU_SIZED} == {"es.py", "grpo.py", "grpo_es.py"}  # the same size for all three
+
+
+@pytest.mark.parametrize("script,argv", CPU_SIZED, ids=[s for s, _ in CPU_SIZED])
+def test_the_cpu_sized_training_commands_run(script: str, argv: list[str], tiny_model: str, tmp_path: Path) -> None:
+    """The README's CPU-sized es.py / grpo.py / grpo_es.py commands as written, with the tiny random model and tiny
+    sizes appended (tyro keeps the last value of a flag): each exits 0 and leaves its curves and weights."""
+    result = subprocess.run([sys.executable, script, *argv, "--model", tiny_model, *TINY[script], "--max-new-tokens",
+                             "4", "--eval-every", "1", "--eval-prompts", "2", "--out-dir", str(tmp_path / "run")],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "run" / "curves.png").is_file() and (tmp_path / "run" / "checkpoints").is_dir()
+    run = tmp_path / "run"
+    assert (run / "final" / "config.json").is_file() if script == "grpo_es.py" else (
+        (run / "curves.png").is_file() and (run / "checkpoints").is_dir())
