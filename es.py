@@ -30,7 +30,7 @@ Run it:
     python es.py --task arith --chat-template --pop 8 --prompts-per-iter 8 --max-new-tokens 24 --sigma 5e-3 \
         --alpha 5e-3 --iterations 6 --eval-every 3 --eval-prompts 64
   GPU, the [ES-LLM] artifact's GSM8K protocol (234 iterations; data from the hub or a folder, see README):
-    python es.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --chat-template --backend vllm
+    python es.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --chat-template --backend vllm --out-dir runs/es-gsm8k
   GPU, [Qiu]'s Countdown settings:
     python es.py --model Qwen/Qwen2.5-1.5B-Instruct --pop 30 --sigma 1e-3 --alpha 5e-4 --train-size 200 \
         --prompts-per-iter 200 --iterations 500 --max-new-tokens 1024 --prompt-order random

@@ -42,9 +42,9 @@ Run it:
   CPU, the embedded SmolLM2-135M-Instruct against the Quickstart's es.py checkpoint, a few minutes:
     python eval_passk.py --models base=smollm2-135m es=runs/quickstart/checkpoints/step_000006 --base base \
         --task arith --chat-template --num-problems 16 --n 8 --max-new-tokens 24 --reset-tau 1e-3 1e-2 \
-        --out-dir runs/passk-cpu
+        --out-dir runs/passk-quick
   GPU, the [ES-LLM] artifact's GSM8K evaluation (all 1,319 problems) with MATH-500 held out:
-    python eval_passk.py --models base=Qwen/Qwen2.5-1.5B-Instruct es=runs/es/checkpoints/step_000234 \
+    python eval_passk.py --models base=Qwen/Qwen2.5-1.5B-Instruct es=runs/es-gsm8k/checkpoints/step_000234 \
         --task gsm8k --chat-template --backend vllm --heldout math500 --base base --out-dir runs/passk-gsm8k
 """
 

@@ -40,7 +40,7 @@ Run it:
         --steps 6 --eval-every 3 --eval-prompts 64
   GPU, the [ES-LLM] GSM8K protocol (2 epochs of 64-prompt steps; data from the hub or a folder, see README):
     python grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --chat-template --backend vllm \
-        --prompts-per-step 64 --grad-accum 16 --gradient-checkpointing
+        --prompts-per-step 64 --grad-accum 64 --gradient-checkpointing --max-new-tokens 2048
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/gpu.sh — the GPU check (bench/gpu_check.py) on whatever GPU box is lent, in under 8 minutes.
+# bench/gpu.sh — the GPU check (bench/gpu_check.py) on a GPU machine, in under 8 minutes.
 #
 # Nothing to prepare: no wheels, no tokenizer, no model download. The box needs only Python 3 with torch and
 # transformers; tyro, trl, datasets, vllm, math_verify and matplotlib are optional (a check that needs one says

@@ -1,6 +1,6 @@
 """bench/gpu_check.py — what one GPU box can tell about the GPU path, needing nothing but torch and transformers.
 
-The script run whenever a GPU is lent (bench/gpu.sh wraps it). It assumes a bare box: Python, torch, transformers,
+The script to run first on a GPU machine (bench/gpu.sh wraps it). It assumes a bare box: Python, torch, transformers,
 no tyro/trl/datasets/vllm/math_verify/matplotlib and no internet, so the models are random-init ones built from a
 hand-written config (bench/util.py) with a character-level tokenizer made here. Eight checks, each in its own
 try/except: a missing optional package or a failure is recorded ("skipped: <reason>", "FAILED: <error>") and the

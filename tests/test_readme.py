@@ -4,6 +4,7 @@ scripts parse; the Quickstart's training commands run end to end with a tiny mod
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import re
@@ -58,7 +59,21 @@ def load_script(path: str):
     return module
 
 
-ALL = [(doc.name, command) for doc in DOCS for command in shell_commands(doc.read_text())]
+def docstring_commands(script: str) -> list[str]:
+    """The `python …` / `torchrun …` lines of a script's module docstring (its "Run it" section)."""
+    text = ast.get_docstring(ast.parse((ROOT / script).read_text())).replace("\\\n", " ")
+    return [line.strip() for line in text.splitlines() if line.strip().startswith(("python ", "torchrun "))]
+
+
+SCRIPTS = ("es.py", "grpo.py", "grpo_es.py", "eval_passk.py")
+ALL = [(doc.name, command) for doc in DOCS for command in shell_commands(doc.read_text())] + [
+    (script, command) for script in SCRIPTS for command in docstring_commands(script)]
+
+
+def test_the_file_table_counts_the_lines_of_today() -> None:
+    counts = dict(re.findall(r"^\| \[`([\w.]+)`\]\(\1\) \| (\d+) \|", (ROOT / "README.md").read_text(), re.M))
+    assert set(counts) == {"es.py", "grpo.py", "grpo_es.py", "eval_passk.py", "common.py"}
+    assert {f: int(n) for f, n in counts.items()} == {f: len((ROOT / f).read_text().splitlines()) for f in counts}
 
 
 def test_the_docs_have_commands() -> None:
