@@ -289,7 +289,10 @@ def test_ctrl_c_saves_the_last_iteration_and_resumes(tiny_model: str, tmp_path: 
     proc = subprocess.Popen([sys.executable, "es.py", "--model", tiny_model, *TINY_FLAGS, "--iterations", "500",
                              "--eval-every", "0", "--save-every", "1000", "--out-dir", str(run)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            # a shell's background job (`… &`) ignores SIGINT and its children inherit that; Python
+                            # then keeps ignoring it, as a user who started a run that way wants
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     while not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2):
         assert time.time() < deadline and proc.poll() is None, "the run did not start"
