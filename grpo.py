@@ -35,7 +35,7 @@ continues from the checkpoint's weights and AdamW state to exactly the weights o
 (and vLLM sampling) are only statistically reproducible.
 
 Run it:
-  CPU, the embedded SmolLM2-135M-Instruct on the Quickstart's task and size (~10 min on 2 cores):
+  CPU, the embedded SmolLM2-135M-Instruct on the Quickstart's task and size (4 prompts × 8 samples per step):
     python grpo.py --task arith --chat-template --prompts-per-step 4 --group-size 8 --max-new-tokens 24 --lr 2e-5 \
         --steps 6 --eval-every 3 --eval-prompts 64
   GPU, the [ES-LLM] GSM8K protocol (2 epochs of 64-prompt steps; data from the hub or a folder, see README):

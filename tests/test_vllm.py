@@ -4,6 +4,7 @@ HF backend. One engine for the whole module (start-up is 40-150 s on a 2-core CP
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import math
 import os
 import zlib
@@ -207,7 +208,8 @@ def test_grpo_steps_keep_the_engine_synced(policy: common.VLLMPolicy, tmp_path: 
 
     ckpt = run / "checkpoints" / "step_000002"
     assert_same_weights(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict(), synced[1][0])
-    grpo.main(grpo.Args(resume=str(run), steps=3))  # the engine is built from the checkpoint, then synced again
+    # as `grpo.py --resume RUN --steps 3`: the saved flags, one changed; the engine starts from the checkpoint
+    grpo.main(replace(common.saved_args(grpo.Args, str(run)), steps=3))
     assert opened[-2:] == [str(ckpt), "close"] and len(synced) == 3
     assert_same_weights(synced[2][1], synced[2][0])
 
