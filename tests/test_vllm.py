@@ -4,10 +4,10 @@ HF backend. One engine for the whole module (start-up is 40-150 s on a 2-core CP
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import math
 import os
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
