@@ -52,6 +52,8 @@ def script_argv(command: str) -> tuple[str, list[str]] | None:
 
 @functools.cache
 def load_script(path: str):
+    if str(ROOT / "bench") not in sys.path:  # bench scripts import their `util`
+        sys.path.insert(0, str(ROOT / "bench"))
     name = Path(path).stem + "_under_test"
     spec = importlib.util.spec_from_file_location(name, ROOT / path)
     module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up there
@@ -89,7 +91,6 @@ def test_every_command_in_the_docs_is_current(doc: str, command: str, tmp_path: 
     if found:
         script, argv = found
         assert (ROOT / script).is_file(), script
-        sys.path.insert(0, str(ROOT / "bench"))
         module = load_script(script)
         args = tyro.cli(module.Args, args=argv)  # flags, choices and types, by the script's own parser
         if hasattr(module, "check_args"):
