@@ -719,6 +719,7 @@ def _normalize_math(answer: str) -> str:
     return s
 
 
+_DECIMAL = re.compile(r"[-+]?[0-9]{1,100}(?:\.[0-9]{1,100})?")  # bounded: Fraction("1e10000000") takes 12 s
 _FALLBACKS = (re.compile(r"####\s*(-?[\d,]+\.?\d*)"), None,
               re.compile(r"(?:answer|result)\s+(?:is|=)\s*(-?[\d,]+\.?\d*)", re.I))
 
@@ -733,14 +734,14 @@ def _fallback_answer(text: str) -> Optional[str]:
 
 
 def _exact(answer: str) -> str:
-    """A canonical, exact form of an answer: a number as a reduced fraction ("70000", "1/2"), else the normalised
-    text."""
+    """A canonical, exact form of an answer (votes and the fallback verdict): a decimal or a ratio of decimals as a
+    reduced fraction ("70000", "-1/2"), anything else as its normalised text."""
     s = _normalize_math(answer.replace(",", "").strip())
-    frac = re.fullmatch(r"(-?)\\frac\{(\d+)\}\{(\d+)\}", s)
-    try:
-        return str(Fraction(f"{frac[1]}{frac[2]}/{frac[3]}" if frac else s))
-    except (ValueError, ZeroDivisionError):
+    frac = re.fullmatch(r"(-?)\\frac\{([^{}]*)\}\{([^{}]*)\}", s)
+    sign, a, b = frac.groups() if frac else ("", *s.split("/", 1)) if "/" in s else ("", s, "1")
+    if not (_DECIMAL.fullmatch(a) and _DECIMAL.fullmatch(b)) or not Fraction(b):
         return s.lower()
+    return str(Fraction(a) / Fraction(b) * (-1 if sign else 1))
 
 
 VERIFY_TIMEOUT_S = 10.0

@@ -329,6 +329,19 @@ def test_gsm8k_fallback_extraction_and_exact_answers() -> None:
     assert extract_answer("gsm8k", "\\boxed{0.5}") == "1/2" == extract_answer("gsm8k", "\\boxed{\\frac{1}{2}}")
 
 
+def test_vote_keys_are_exact_and_fast_on_hostile_numbers() -> None:
+    """Only plain decimals and ratios of them, of bounded length, reach Fraction (`1e10000000` took 12 s); a negative
+    ratio gets one key however it is written."""
+    start = time.perf_counter()
+    assert extract_answer("gsm8k", "\\boxed{1e10000000}") == "1e10000000"  # compared as text
+    assert extract_answer("gsm8k", "\\boxed{" + "7" * 1_000_000 + "}") is not None
+    assert extract_answer("gsm8k", "\\boxed{\\frac{" + "7" * 1_000_000 + "}{3}}") is not None
+    assert time.perf_counter() - start < 5  # generous bound: Fraction on the first input alone took 12 s
+    keys = {extract_answer("gsm8k", f"\\boxed{{{x}}}") for x in ("-1/2", "-0.5", "-\\frac{1}{2}", "\\frac{1}{-2}")}
+    assert keys == {"-1/2"}
+    assert common._exact("1/0") != common._exact("1") and common._exact("1.50") == "3/2"
+
+
 def test_non_numeric_gold_does_not_crash() -> None:
     problem = Problem("q", "twelve")
     assert score("gsm8k", problem, "#### 12") == (0.0, False)
