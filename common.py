@@ -679,15 +679,15 @@ def _eval_equation(node: ast.AST) -> Fraction:
 
 
 def _last_boxed(text: str) -> Optional[str]:
-    """Content of the last \\boxed{…}, braces matched, spaces stripped; None if absent or unclosed. Linear time."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth = 1
-    for brace in re.finditer(r"[{}]", text[start + len("\\boxed{"):]):
-        depth += 1 if brace.group() == "{" else -1
+    """The [ES-LLM] artifact's box: the content of the last `\\boxed`, whose `{` may follow after whitespace, braces
+    matched, stripped; None if that `\\boxed` has no `{` or it is unclosed. Linear time."""
+    start = text.rfind("\\boxed")
+    opening = re.compile(r"\s*\{").match(text, start + len("\\boxed")) if start >= 0 else None
+    depth = 0
+    for brace in re.compile(r"[{}]").finditer(text, opening.end() - 1) if opening else ():
+        depth += 1 if brace[0] == "{" else -1
         if depth == 0:
-            return text[start + len("\\boxed{"):start + len("\\boxed{") + brace.start()].strip()
+            return text[opening.end():brace.start()].strip()
     return None
 
 
@@ -705,7 +705,9 @@ def _normalize_math(answer: str) -> str:
     s = "0" + s if s.startswith(".") else s
     if s.count("=") == 1 and len(s.split("=")[0]) <= 2:  # "x=5", "k = 5"
         s = s.split("=")[1]
-    s = re.sub(r"\\sqrt([^{])", r"\\sqrt{\1}", s).replace(" ", "")
+    head, *parts = s.split("\\sqrt")  # the artifact braces the first character of each part not opening with "{"
+    s = head + "".join("\\sqrt" + (p if p[:1] == "{" else "{" + p[:1] + "}" + p[1:]) for p in parts)
+    s = s.replace(" ", "")
     head, *parts = s.split("\\frac")
     for part in parts:  # \frac12 → \frac{1}{2}, \frac1{2} → \frac{1}{2}; a braced numerator is left alone
         if len(part) == 1 and part != "{":

@@ -307,6 +307,11 @@ PROTOCOL_CASES = [
     ("Therefore, the answer is 42.", "42", 0.0, True),
     ("No numeric result", "42", 0.0, False),
     ("\\boxed{18", "18", 0.0, False),  # unclosed: no box
+    # the artifact's box: the last `\\boxed`, then optional whitespace and its `{` (math-verify reads none of these)
+    ("\\boxed {18}", "18", 1.0, True),
+    ("\\boxed\n{18}", "18", 1.0, True),
+    ("\\boxed{18}. Remember to use \\boxed", "18", 0.0, True),  # the last \\boxed has no `{`: no box
+    ("\\boxed{18}\n\\boxed {19}", "18", 0.1, False),
 ]
 
 
@@ -336,10 +341,20 @@ def test_vote_keys_are_exact_and_fast_on_hostile_numbers() -> None:
     assert extract_answer("gsm8k", "\\boxed{1e10000000}") == "1e10000000"  # compared as text
     assert extract_answer("gsm8k", "\\boxed{" + "7" * 1_000_000 + "}") is not None
     assert extract_answer("gsm8k", "\\boxed{\\frac{" + "7" * 1_000_000 + "}{3}}") is not None
+    assert extract_answer("math500", "\\boxed" + " " * 5_000_000) is None  # no `{` after the whitespace
+    assert extract_answer("math500", "\\boxed{" + "\\sqrt" * 1_000_000 + "}") is not None
     assert time.perf_counter() - start < 5  # generous bound: Fraction on the first input alone took 12 s
     keys = {extract_answer("gsm8k", f"\\boxed{{{x}}}") for x in ("-1/2", "-0.5", "-\\frac{1}{2}", "\\frac{1}{-2}")}
     assert keys == {"-1/2"}
     assert common._exact("1/0") != common._exact("1") and common._exact("1.50") == "3/2"
+
+
+def test_sqrt_is_braced_like_the_artifact() -> None:
+    """The artifact splits on \\sqrt and braces the first character of every part that does not open with `{`."""
+    assert common._normalize_math("\\sqrt2") == "\\sqrt{2}" == common._normalize_math("\\sqrt{2}")
+    assert common._normalize_math("3\\sqrt 2") == "3\\sqrt{}2"  # the space is braced, then removed
+    assert common._normalize_math("\\sqrt\\sqrt2") == "\\sqrt{}\\sqrt{2}"  # not \\sqrt{\\}sqrt2
+    assert common._normalize_math("2\\sqrt") == "2\\sqrt{}"
 
 
 def test_non_numeric_gold_does_not_crash() -> None:
