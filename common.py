@@ -20,21 +20,21 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
-import inspect
 import json
+import logging
+import multiprocessing
 import os
 import random
 import re
-import select
 import signal
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 from fractions import Fraction
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Iterator, Literal, NoReturn, Optional, Sequence, TypeVar
 
@@ -747,81 +747,65 @@ def _exact(answer: str) -> str:
 
 
 VERIFY_TIMEOUT_S = 10.0
-"""Time limit of one math-verify verdict; past it the helper process is killed and the verdict is None."""
-_verifier: dict[str, subprocess.Popen] = {}
+"""Time limit of one math-verify verdict; past it the worker process is killed and the verdict is None."""
+_verifier: dict[str, Any] = {}  # the running worker: "process", and "conn", this end of its pipe
 _verifier_lock = threading.Lock()
 
 
 def _math_verify(gold: str, completion: str, task: Task) -> Optional[bool]:
-    """math-verify's verdict (None: it extracted no answer, or ran out of time), computed in a helper process: sympy
-    can spin for hours on hostile text (`9^{9^{9^{9}}}`) where math-verify's signal-based timeout cannot interrupt it,
-    and signals do not work off the main thread at all. A killed helper is replaced on the next call."""
+    """math-verify's verdict (None: it extracted no answer, or ran out of time), computed in a worker process: sympy
+    can spin for hours in C on hostile text (`9^{9^{9^{9}}}`) where math-verify's signal-based timeout cannot stop it,
+    and signals do not work off the main thread at all. A killed or dead worker is replaced on the next call."""
     with _verifier_lock:
-        if "proc" not in _verifier:
-            _verifier["proc"] = _start_verifier()
-        proc = _verifier["proc"]
-        try:
-            return _ask(proc, [gold, completion, task], VERIFY_TIMEOUT_S)
-        except OSError:  # out of time (TimeoutError), or the helper died (BrokenPipeError)
-            proc.kill()
-            del _verifier["proc"]
-            return None
+        if "process" not in _verifier or not _verifier["process"].is_alive():
+            _start_verifier()
+        with contextlib.suppress(EOFError, OSError):  # the worker died (out of memory, say)
+            _verifier["conn"].send((gold, completion, task))
+            if _verifier["conn"].poll(VERIFY_TIMEOUT_S):
+                return _verifier["conn"].recv()
+        process = _verifier.pop("process")
+        process.terminate()  # SIGTERM, then SIGKILL if it is still there a second later
+        process.join(1)
+        process.kill()
+        process.join()
+        return None
 
 
-def _start_verifier() -> subprocess.Popen:
-    """The helper runs `_verify_loop` from this file's source, without torch: it starts (and restarts) in ~1 s."""
-    source = "".join(inspect.getsource(f) for f in (_math_verify_here, _verify_loop))
-    code = f"from __future__ import annotations\nimport json, logging, sys\n{source}\n_verify_loop()"
-    for _ in range(2):  # a second try if the first start fails
-        errors = tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=errors, text=True)
-        try:
-            _ask(proc, ["1", "1", "gsm8k"], timeout=600)  # its start-up (imports) is not timed
-            return proc
-        except OSError:
-            proc.kill()
-            errors.seek(0)
-            message = (errors.read().strip().splitlines() or ["no message"])[-1]
-    die(f"the math-verify helper process does not start: {message}")
+def _start_verifier() -> None:
+    """Spawn the worker (never fork: the parent has torch or vLLM threads) and wait for its imports, not timed: 7–15 s
+    on a 2-core CPU, as unpickling `_verify_loop` imports this module (torch, transformers) and spawn re-runs the
+    main script's imports (so a script that scores needs `if __name__ == "__main__":`)."""
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    _verifier.update(process=context.Process(target=_verify_loop, args=(child_conn,), daemon=True), conn=conn)
+    _verifier["process"].start()
+    child_conn.close()  # the worker's end lives in the worker only: its death reads as EOF here
+    with contextlib.suppress(EOFError):
+        if conn.poll(600) and conn.recv():
+            return
+    die("the math-verify worker process did not start (its error is above)")
 
 
-def _ask(proc: subprocess.Popen, request: list[str], timeout: float) -> Optional[bool]:
-    proc.stdin.write(json.dumps(request) + "\n")
-    proc.stdin.flush()
-    if not select.select([proc.stdout], [], [], timeout)[0]:
-        raise TimeoutError
-    line = proc.stdout.readline()
-    if not line:  # the helper died (out of memory, say): no verdict, a new helper next time
-        raise TimeoutError
-    return json.loads(line)
-
-
-def _verify_loop() -> None:
-    """The helper process of `_math_verify`: one JSON request per line in, one verdict per line out."""
-    out, sys.stdout = sys.stdout, sys.stderr  # nothing but verdicts on the pipe
-    logging.disable(logging.CRITICAL)  # math-verify logs the whole input on every timeout
-    for line in sys.stdin:
-        out.write(json.dumps(_math_verify_here(*json.loads(line))) + "\n")
-        out.flush()
-
-
-def _math_verify_here(gold: str, completion: str, task: Task) -> Optional[bool]:
+def _verify_loop(conn: Connection) -> None:
+    """The worker of `_math_verify`: a verdict for each (gold, completion, task) it receives, until the parent exits.
+    math-verify's own time limits are off (None): the parent's clock is the limit."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, LatexNormalizationConfig, parse, verify
 
-    try:
-        if task == "math500":
-            g, p = parse(f"${gold}$"), parse(completion)
-        else:  # the [ES-LLM] artifact's GSM8K settings: boxed answers first, LaTeX only with an anchor, then
-            # expressions
-            latex = LatexExtractionConfig(normalization_config=LatexNormalizationConfig(
-                nits=False, malformed_operators=False, basic_latex=True, boxed="all", units=True),
-                boxed_match_priority=0, try_extract_without_anchor=False)
-            g = parse(gold, extraction_config=[ExprExtractionConfig()], extraction_mode="first_match")
-            p = parse(completion, extraction_config=[latex, ExprExtractionConfig()], extraction_mode="first_match")
-        return None if not p else bool(g) and bool(verify(g, p))
-    except Exception:  # math-verify's own timeouts and parser errors: no verdict
-        return None
+    logging.disable(logging.CRITICAL)  # math-verify logs the whole input on every failure
+    # the [ES-LLM] artifact's GSM8K settings: boxed answers first, LaTeX only with an anchor, then expressions
+    gsm8k = [LatexExtractionConfig(normalization_config=LatexNormalizationConfig(
+        nits=False, malformed_operators=False, basic_latex=True, boxed="all", units=True),
+        boxed_match_priority=0, try_extract_without_anchor=False), ExprExtractionConfig()]
+    conn.send(True)  # ready
+    with contextlib.suppress(EOFError):
+        while True:
+            gold, completion, task = conn.recv()
+            if task == "math500":
+                g, p = parse(f"${gold}$", parsing_timeout=None), parse(completion, parsing_timeout=None)
+            else:
+                g = parse(gold, [ExprExtractionConfig()], extraction_mode="first_match", parsing_timeout=None)
+                p = parse(completion, gsm8k, extraction_mode="first_match", parsing_timeout=None)
+            conn.send(None if not p else bool(g) and verify(g, p, timeout_seconds=None))
 
 
 def extract_answer(task: Task, completion: str) -> Optional[str]:
