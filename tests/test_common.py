@@ -411,7 +411,8 @@ def test_a_stuck_or_dead_verifier_is_gone_and_replaced(monkeypatch: pytest.Monke
     problem = Problem("q", "18")
     assert score("math500", problem, "\\boxed{18}") == (1.0, True)  # a worker is running
     before = children().keys()
-    assert score("math500", problem, "so \\boxed{9^{9^{9^{9}}}}") == (0.1, False)  # stuck in sympy: killed
+    # stuck in sympy: killed, and no verdict (None, not False), so the fallback's `#### 18` decides
+    assert score("gsm8k", problem, "#### 18 so \\boxed{9^{9^{9^{9}}}}") == (0.1, True)
     after = children().keys()
     assert len(before - after) == 1 and not after - before  # the stuck worker is gone, not even as a zombie
     assert score("math500", problem, "\\boxed{18}") == (1.0, True)  # a fresh worker
