@@ -298,6 +298,7 @@ PROTOCOL_CASES = [
     ("\\boxed{\\$18}", "18", 1.0, True),
     ("\\boxed{18\\%}", "18", 1.0, True),
     ("\\boxed{ 18 }", "18", 1.0, True),
+    ("\\boxed{\t18\t}", "18", 1.0, True),  # the box's content is stripped: the normalisation drops no tabs
     ("\\boxed{\\dfrac12}", "1/2", 1.0, False),  # training: dfrac → frac, \\frac12 → \\frac{1}{2}, 1/2 → \\frac{1}{2};
     ("\\boxed{\\dfrac{1}{2}}", "1/2", 1.0, True),  # math-verify reads \\dfrac{1}{2}, not the brace-less \\dfrac12
     ("so \\boxed{x = 7}", "7", 1.0, True),  # a short "x =" prefix is dropped
