@@ -683,8 +683,10 @@ def _last_boxed(text: str) -> Optional[str]:
     matched, stripped; None if that `\\boxed` has no `{` or it is unclosed. Linear time."""
     start = text.rfind("\\boxed")
     opening = re.compile(r"\s*\{").match(text, start + len("\\boxed")) if start >= 0 else None
+    if opening is None:
+        return None
     depth = 0
-    for brace in re.compile(r"[{}]").finditer(text, opening.end() - 1) if opening else ():
+    for brace in re.compile(r"[{}]").finditer(text, opening.end() - 1):
         depth += 1 if brace[0] == "{" else -1
         if depth == 0:
             return text[opening.end():brace.start()].strip()
@@ -721,7 +723,6 @@ def _normalize_math(answer: str) -> str:
     return s
 
 
-_DECIMAL = re.compile(r"[-+]?[0-9]{1,100}(?:\.[0-9]{1,100})?")  # bounded: Fraction("1e10000000") takes 12 s
 _FALLBACKS = (re.compile(r"####\s*(-?[\d,]+\.?\d*)"), None,
               re.compile(r"(?:answer|result)\s+(?:is|=)\s*(-?[\d,]+\.?\d*)", re.I))
 
@@ -733,6 +734,9 @@ def _fallback_answer(text: str) -> Optional[str]:
         if found is not None:
             return found.replace(",", "").rstrip(".")
     return None
+
+
+_DECIMAL = re.compile(r"[-+]?[0-9]{1,100}(?:\.[0-9]{1,100})?")  # bounded: Fraction("1e10000000") takes 12 s
 
 
 def _exact(answer: str) -> str:
@@ -774,7 +778,7 @@ def _math_verify(gold: str, completion: str, task: Task) -> Optional[bool]:
 def _start_verifier() -> None:
     """Spawn the worker (never fork: the parent has torch or vLLM threads) and wait for its imports, not timed: 7–15 s
     on a 2-core CPU, as unpickling `_verify_loop` imports this module (torch, transformers) and spawn re-runs the
-    main script's imports (so a script that scores needs `if __name__ == "__main__":`)."""
+    main script as `__mp_main__` (so a script that scores needs `if __name__ == "__main__":`)."""
     context = multiprocessing.get_context("spawn")
     conn, child_conn = context.Pipe()
     _verifier.update(process=context.Process(target=_verify_loop, args=(child_conn,), daemon=True), conn=conn)
