@@ -277,8 +277,9 @@ def evaluate(policy: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem],
                "reward": float(rewards.mean()),
                "response_tokens": float(np.mean([len(s.token_ids) for g in grouped for s in g])),
                "num_problems": len(problems), "correct_counts": counts.astype(int).tolist()}
-    if greedy:
-        metrics["greedy"] = float(np.mean([r["greedy"]["correct"] for r in rows]))
+    if greedy:  # per problem too: the paired bootstrap needs it
+        metrics["greedy_correct"] = [int(r["greedy"]["correct"]) for r in rows]
+        metrics["greedy"] = float(np.mean(metrics["greedy_correct"]))
     return metrics, rows
 
 

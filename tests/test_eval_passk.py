@@ -160,6 +160,7 @@ def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: P
         assert score(task, problem, r["greedy"]["response"]) == (r["greedy"]["reward"], r["greedy"]["correct"])
     greedy = [r["greedy"]["correct"] for r in rows if r["model"] == "base" and r["set"] == "gsm8k"]
     assert report["results"]["base"]["gsm8k"]["greedy"] == pytest.approx(sum(greedy) / 2)
+    assert report["results"]["base"]["gsm8k"]["greedy_correct"] == [int(g) for g in greedy]
 
     table = (out / "passk.md").read_text()
     assert "| base | countdown |" in table and "| es | gsm8k |" in table and "| es | again |" in table
