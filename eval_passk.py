@@ -21,6 +21,12 @@ Functional sparsity ([ES-LLM] §4.2), base θ₀, trained θ, Δ = θ − θ₀,
 
 The paper: at s_τ ≈ 78%, pass@1 of θ_τ stays within ±0.5 pt of the full ES model.
 
+Uncertainty: 95% percentile bootstrap over problems ([Efron & Tibshirani 1993] ch. 13; B = --resamples, from --seed)
+of v(x) = 1[greedy correct] and v(x) = pass@k(x) (unbiased per problem: the interval covers c(x)'s sampling noise
+too). Paired ([Miller 2024] arXiv 2411.00640): d(x) = v_m(x) − v_ref(x) for every row m ≠ --reference, on the same
+resamples; won / lost = #{x: d(x) > 0} / #{x: d(x) < 0}. Seeds: labels METHOD@SEED (es@0 es@1 es@2) add a row
+METHOD@* with v(x) = the mean over seeds of v_s(x), so every seed and the reference are resampled on the same problems.
+
 Choices the papers leave open (and why):
   1. maj@k tie-break: among the answers with the most votes, the one seen first wins. Samples without an answer
      (None) abstain; if all k abstain, the vote is wrong. The vote is right iff the first sample giving the winning
@@ -145,6 +151,53 @@ def maj_at_k(answers: Sequence[Optional[str]], correct: Sequence[bool], k: int) 
 def k_grid(n: int) -> list[int]:
     """k = 1, 2, 4, … ≤ n, and n itself."""
     return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
+
+
+def bootstrap_weights(num_problems: int, resamples: int, seed: int) -> np.ndarray:
+    """(B, P): how often each problem is drawn in each of B resamples of the P problems with replacement."""
+    # the counts of P draws with replacement are Multinomial(P, 1/P each): one vectorised call, no (B, P) indices
+    return np.random.default_rng(seed).multinomial(num_problems, np.full(num_problems, 1 / num_problems), resamples)
+
+
+def interval(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """(3, M): the mean over problems of each column of `values` (P, M) and its 95% percentile bootstrap interval."""
+    means = weights @ values / len(values)  # (B, M): the mean of each resample
+    return np.vstack([values.mean(0), np.percentile(means, [2.5, 97.5], axis=0)])
+
+
+def paired(values: np.ndarray, reference: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """d(x) = v(x) − v_ref(x) for (P, M) values on the same problems: its mean and interval (3, M) on the same
+    resamples for both, and the problems won #{d > 0} and lost #{d < 0}, (M,) each."""
+    d = values - reference  # (P, M)
+    return interval(d, weights), (d > 0).sum(0), (d < 0).sum(0)
+
+
+def per_problem(result: dict, n: int, ks: Sequence[int]) -> np.ndarray:
+    """(P, 1 + K): v(x) = 1[greedy correct] and the unbiased pass@k(x) for each k, from a result's per-problem data."""
+    table = np.array([[pass_at_k(n, c, k) for k in ks] for c in range(n + 1)])  # (n + 1, K): pass@k(x) needs c(x) only
+    return np.column_stack([result["greedy_correct"], table[result["correct_counts"]]])
+
+
+def uncertainty(report: dict, reference: str, resamples: int, seed: int) -> dict:
+    """Greedy and pass@k of every model and pooled METHOD@* with 95% intervals, and their paired differences from
+    `reference` (module docstring): {"rows": {row: {task: {metric: {mean, ci, diff, diff_ci, won, lost}}}}, …}."""
+    results, metrics = report["results"], ["greedy"] + [f"pass@{k}" for k in report["ks"]]
+    method = {label: label.rpartition("@")[0] + "@*" for label in results if "@" in label}  # es@0 → es@*
+    methods = {m: [label for label in method if method[label] == m] for m in method.values()}
+    methods = {m: labels for m, labels in methods.items() if len(labels) > 1}  # one seed: nothing to pool
+    rows: dict[str, dict] = {}
+    for task, ref in results[reference].items():
+        weights = bootstrap_weights(len(ref["correct_counts"]), resamples, derive_seed(seed, "bootstrap", task))
+        values = {label: per_problem(r[task], report["n"], report["ks"]) for label, r in results.items()}  # (P, M)
+        values |= {m: np.mean([values[label] for label in labels], 0) for m, labels in methods.items()}
+        for label, v in values.items():
+            cells = [{"mean": m, "ci": [lo, hi]} for m, lo, hi in zip(*interval(v, weights).tolist())]
+            if label != reference:
+                diff, won, lost = paired(v, values[reference], weights)
+                for cell, d, lo, hi, n_won, n_lost in zip(cells, *diff.tolist(), won.tolist(), lost.tolist()):
+                    cell |= {"diff": d, "diff_ci": [lo, hi], "won": n_won, "lost": n_lost}
+            rows.setdefault(label, {})[task] = dict(zip(metrics, cells))
+    return {"reference": reference, "resamples": resamples, "seed": seed, "methods": methods, "rows": rows}
 
 
 def reset_small_changes(theta: dict[str, torch.Tensor], theta0: dict[str, torch.Tensor],
