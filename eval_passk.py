@@ -116,16 +116,21 @@ class Args:
     """base model θ₀ for functional sparsity: a label from --models or a PATH; unset = no sparsity table"""
     reset_tau: tuple[float, ...] = (2.5e-4, 5e-4, 1e-3, 1.5e-3, 2e-3)
     """thresholds τ (≥ 0): reset every coordinate with 0 < |θ−θ₀| ≤ τ to θ₀ ([ES-LLM] §4.2 grid)"""
+    reference: Optional[str] = None
+    """label from --models that every other row is compared with (paired bootstrap); default: the first model"""
+    resamples: int = 2000
+    """bootstrap resamples B of the problems for every 95% interval (≥ 1)"""
 
 
 def check_args(args: Args) -> None:
     """Every numeric flag in its range (the Args docstrings), before anything is loaded or written."""
-    for flag in ("batch_size", "n", "max_new_tokens"):
+    for flag in ("batch_size", "n", "max_new_tokens", "resamples"):
         require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
     require(args.num_problems is None or args.num_problems >= 1, f"--num-problems must be ≥ 1, got {args.num_problems}")
     require(args.temperature > 0, f"--temperature must be > 0 (pass@k needs samples), got {args.temperature}")
     require(0 < args.top_p <= 1 and 0 < args.vllm_memory <= 1, "--top-p and --vllm-memory must be in (0, 1]")
     require(all(tau >= 0 for tau in args.reset_tau), f"--reset-tau must be ≥ 0, got {args.reset_tau}")
+    require(args.reference in (None, *parse_models(args.models)), f"--reference '{args.reference}' is not a label")
     require(not Path(args.out_dir).is_file(), f"--out-dir '{args.out_dir}' is a file")
     require(not (Path(args.out_dir) / "passk.json").exists(),
             f"'{args.out_dir}' already holds passk.json: choose another --out-dir")
@@ -338,15 +343,28 @@ def evaluate(policy: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem],
 
 # ---------------------------------------------------------------------------------------------------- report
 def markdown(report: dict) -> str:
-    """The pass@k table (a row per model × task) and, with --base, the sparsity table."""
-    ks = report["ks"]
-    head = ["model", "task", "greedy"] + [f"pass@{k}" for k in ks] + [f"maj@{ks[-1]}", "reward", "tokens"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for label, tasks in report["results"].items():
-        for task, r in tasks.items():
-            cells = [label, task, f"{100 * r['greedy']:.1f}"] + [f"{100 * r['pass@k'][k]:.1f}" for k in ks] + [
-                f"{100 * r['maj@k'][ks[-1]]:.1f}", f"{r['reward']:.3f}", f"{r['response_tokens']:.0f}"]
-            lines.append("| " + " | ".join(cells) + " |")
+    """Greedy and pass@k with 95% intervals and their paired differences from the reference (a row per model or pooled
+    method × task), and with --base the sparsity table."""
+    ks, u = report["ks"], report["uncertainty"]
+
+    def ci(mean: float, bounds: list[float], fmt: str = ".1f") -> str:
+        return f"{100 * mean:{fmt}} [{100 * bounds[0]:{fmt}}, {100 * bounds[1]:{fmt}}]"
+
+    head = "| model | task | greedy |" + "".join(f" pass@{k} |" for k in ks)
+    lines = [f"In %: the mean over problems [95% bootstrap interval, {u['resamples']} resamples]; METHOD@* pools its "
+             "seeds METHOD@s", "", head + f" maj@{ks[-1]} | reward | tokens |", "|" + "---|" * (len(ks) + 6)]
+    diffs = ["", f"Paired difference from {u['reference']} in points [95% interval] and the problems won/lost (per "
+                 "problem: 1[greedy correct]; the unbiased pass@k(x))", "", head, "|" + "---|" * (len(ks) + 3)]
+    for label, tasks in u["rows"].items():
+        for task, cells in tasks.items():
+            r = report["results"].get(label, {}).get(task)  # None for a pooled METHOD@*
+            lines.append(f"| {label} | {task} | " + "".join(f"{ci(c['mean'], c['ci'])} | " for c in cells.values()) + (
+                f"{100 * r['maj@k'][ks[-1]]:.1f} | {r['reward']:.3f} | {r['response_tokens']:.0f} |" if r else
+                "— | — | — |"))
+            if label != u["reference"]:
+                diffs.append(f"| {label} | {task} | " + "".join(f"{ci(c['diff'], c['diff_ci'], '+.1f')} {c['won']}/"
+                                                                f"{c['lost']} | " for c in cells.values()).rstrip())
+    lines += diffs if len(diffs) > 5 else []
     if report.get("sparsity"):
         lines += ["", f"Functional sparsity on {report['task']} (pass@1 in %, n = {report['n']}; base: "
                       f"{report['base']})", "", "| model | τ | s_τ | D_rel | pass@1 | Δ vs full |",
@@ -360,20 +378,22 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, file: Path) -> None:
-    """pass@k vs k on a log2 axis: one panel per task, one line per model (as in Yue et al. 2025)."""
+    """pass@k vs k on a log2 axis: one panel per task, one line (and 95% band) per row (as in Yue et al. 2025)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    tasks, ks = list(next(iter(report["results"].values()))), report["ks"]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
-        for label, results in report["results"].items():
-            ax.plot(ks, [100 * results[task]["pass@k"][k] for k in ks], marker="o", label=label)
+    first, ks = next(iter(report["results"].values())), report["ks"]
+    fig, axes = plt.subplots(1, len(first), figsize=(4.5 * len(first), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], first):
+        for label, row in report["uncertainty"]["rows"].items():
+            cells = np.array([[row[task][f"pass@{k}"]["mean"], *row[task][f"pass@{k}"]["ci"]] for k in ks]).T  # (3, K)
+            (line,) = ax.plot(ks, 100 * cells[0], marker="o", label=label, ls="--" if label.endswith("@*") else "-")
+            ax.fill_between(ks, 100 * cells[1], 100 * cells[2], color=line.get_color(), alpha=0.15, lw=0)
         ax.set_xscale("log", base=2)
         ax.set_xticks(ks, [str(k) for k in ks])
-        ax.set(title=f"{task} ({results[task]['num_problems']} problems)", xlabel="k", ylabel="pass@k (%)")
+        ax.set(title=f"{task} ({first[task]['num_problems']} problems)", xlabel="k", ylabel="pass@k (%), 95% interval")
         ax.set_ylim(0, max(ax.get_ylim()[1], 1.0))  # a flat 0% curve stays on the axis, not mid-panel
         ax.grid(alpha=0.3)
     axes[0][0].legend()
@@ -439,7 +459,8 @@ def main(args: Args) -> Path:
         if args.backend == "vllm":
             policy.close()
 
-    # 4. write passk.json (per-problem counts: curves can be recomputed), passk.md (printed) and passk.png
+    # 4. intervals; write passk.json (per-problem counts: curves and intervals can be recomputed), passk.md, passk.png
+    report["uncertainty"] = uncertainty(report, args.reference or first, args.resamples, args.seed)
     (run / "passk.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)
     (run / "passk.md").write_text(table)

@@ -16,8 +16,8 @@ import torch
 
 from conftest import ROOT, make_tiny_model
 from common import Problem, extract_answer, score
-from eval_passk import (Args, bootstrap_weights, interval, k_grid, main, maj_at_k, paired, pass_at_k, per_problem,
-                        relative_drift, reset_small_changes, uncertainty)
+from eval_passk import (Args, bootstrap_weights, interval, k_grid, main, maj_at_k, markdown, paired, pass_at_k,
+                        per_problem, plot, relative_drift, reset_small_changes, uncertainty)
 
 
 def brute_pass_at_k(n: int, c: int, k: int) -> float:
@@ -191,6 +191,19 @@ def test_seeds_pool_by_hand_on_the_same_resamples():
     assert (pooled["greedy"]["diff"], pooled["greedy"]["won"], pooled["greedy"]["lost"]) == (0.0, 2, 2)
 
 
+def test_markdown_and_plot_show_the_intervals(tmp_path: Path):
+    report = report_of(2, {"base": ([1, 1, 1, 1], [1, 1, 0, 0]), "es@0": ([2, 0, 2, 0], [1, 0, 1, 0]),
+                           "es@1": ([0, 2, 0, 2], [0, 1, 0, 1])})
+    report |= {"uncertainty": uncertainty(report, "base", 300, seed=0), "sparsity": {}}
+    table = markdown(report)
+    assert "| base | arith | 50.0 [" in table and "| 50.0 [50.0, 50.0] | 100.0 [100.0, 100.0] | 25.0 | 0.500 | 9 |" in table
+    assert "| es@* | arith | 50.0 [50.0, 50.0] | 50.0 [50.0, 50.0] | 50.0 [50.0, 50.0] | — | — | — |" in table
+    assert "Paired difference from base" in table and table.count("| base | arith |") == 1  # no row against itself
+    assert "| +0.0 [+0.0, +0.0] 0/0 | -50.0 [-50.0, -50.0] 0/4 |" in table  # es@*: pass@1, pass@2
+    plot(report, tmp_path / "passk.png")
+    assert (tmp_path / "passk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def run_script(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-W", "error", str(ROOT / "eval_passk.py"), *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
@@ -199,7 +212,7 @@ def run_script(*argv: str) -> subprocess.CompletedProcess:
 def test_help_exits_zero():
     result = run_script("--help")
     assert result.returncode == 0, result.stderr
-    assert "--reset-tau" in result.stdout and "--heldout" in result.stdout
+    assert "--reset-tau" in result.stdout and "--heldout" in result.stdout and "--reference" in result.stdout
 
 
 def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: Path):
@@ -221,7 +234,7 @@ def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: P
     out = tmp_path / "run"
     result = run_script("--models", f"base={tiny_model}", f"es={es_dir}", "--num-problems", "3", "--n", "4",
                         "--max-new-tokens", "6", "--heldout", f"gsm8k={gsm}", f"again:gsm8k={gsm}", "--base", "base",
-                        "--reset-tau", "5e-4", "1", "--out-dir", str(out))
+                        "--reset-tau", "5e-4", "1", "--resamples", "500", "--out-dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
 
     report = json.loads((out / "passk.json").read_text())
@@ -262,8 +275,19 @@ def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: P
     assert report["results"]["base"]["gsm8k"]["greedy"] == pytest.approx(sum(greedy) / 2)
     assert report["results"]["base"]["gsm8k"]["greedy_correct"] == [int(g) for g in greedy]
 
+    # intervals: against the first model by default, and recomputed exactly from passk.json's per-problem data alone
+    u = report["uncertainty"]
+    assert (u["reference"], u["resamples"], u["seed"], list(u["rows"])) == ("base", 500, 0, ["base", "es"])
+    assert uncertainty(report, "base", 500, 0) == u
+    cell = u["rows"]["es"]["countdown"]["pass@1"]
+    assert cell["mean"] == pytest.approx(report["results"]["es"]["countdown"]["pass@k"]["1"])
+    assert cell["ci"][0] <= cell["mean"] <= cell["ci"][1] and cell["diff_ci"][0] <= cell["diff"] <= cell["diff_ci"][1]
+    assert cell["won"] + cell["lost"] <= 3 and set(u["rows"]["es"]) == {"countdown", "gsm8k", "again"}
+
     table = (out / "passk.md").read_text()
     assert "| base | countdown |" in table and "| es | gsm8k |" in table and "| es | again |" in table
+    assert f"| es | countdown | {100 * u['rows']['es']['countdown']['greedy']['mean']:.1f} [" in table
+    assert "Paired difference from base" in table and table.count("| es | countdown |") == 2
     assert "s_τ" in table
     assert "| es | full |" in table and table in result.stdout
     png = (out / "passk.png").read_bytes()
@@ -295,3 +319,5 @@ def test_clear_errors(tiny_model: str, tiny_qwen: str, tmp_path: Path):
     assert "task must be one of" in error(models=(tiny_model,), heldout=("aime",))
     assert "the name 'countdown' is taken" in error(models=(tiny_model,), heldout=("countdown",))  # the main task
     assert "the name 'x' is taken" in error(models=(tiny_model,), heldout=("x:gsm8k", "x:math500"))
+    assert "--reference 'b' is not a label" in error(models=(f"a={tiny_model}",), reference="b")
+    assert "--resamples must be ≥ 1" in error(models=(tiny_model,), resamples=0)
