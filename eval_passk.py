@@ -158,23 +158,23 @@ def k_grid(n: int) -> list[int]:
     return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
 
 
-def bootstrap_weights(num_problems: int, resamples: int, seed: int) -> np.ndarray:
+def bootstrap_draws(num_problems: int, resamples: int, seed: int) -> np.ndarray:
     """(B, P): how often each problem is drawn in each of B resamples of the P problems with replacement."""
     # the counts of P draws with replacement are Multinomial(P, 1/P each): one vectorised call, no (B, P) indices
     return np.random.default_rng(seed).multinomial(num_problems, np.full(num_problems, 1 / num_problems), resamples)
 
 
-def interval(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """(3, M): the mean over problems of each column of `values` (P, M) and its 95% percentile bootstrap interval."""
-    means = weights @ values / len(values)  # (B, M): the mean of each resample
+def interval(values: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """(3, M): the mean over problems of each column of `values` (P, M) and its 95% percentile interval over `draws`."""
+    means = draws @ values / len(values)  # (B, M): the mean of each resample
     return np.vstack([values.mean(0), np.percentile(means, [2.5, 97.5], axis=0)])
 
 
-def paired(values: np.ndarray, reference: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def paired(values: np.ndarray, ref_values: np.ndarray, draws: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """d(x) = v(x) − v_ref(x) for (P, M) values on the same problems: its mean and interval (3, M) on the same
     resamples for both, and the problems won #{d > 0} and lost #{d < 0}, (M,) each."""
-    d = values - reference  # (P, M)
-    return interval(d, weights), (d > 0).sum(0), (d < 0).sum(0)
+    d = values - ref_values  # (P, M)
+    return interval(d, draws), (d > 0).sum(0), (d < 0).sum(0)
 
 
 def per_problem(result: dict, n: int, ks: Sequence[int]) -> np.ndarray:
@@ -187,20 +187,20 @@ def uncertainty(report: dict, reference: str, resamples: int, seed: int) -> dict
     """Greedy and pass@k of every model and pooled METHOD@* with 95% intervals, and their paired differences from
     `reference` (module docstring): {"rows": {row: {task: {metric: {mean, ci, diff, diff_ci, won, lost}}}}, …}."""
     results, metrics = report["results"], ["greedy"] + [f"pass@{k}" for k in report["ks"]]
-    method = {label: label.rpartition("@")[0] + "@*" for label in results if "@" in label}  # es@0 → es@*
-    methods = {m: [label for label in method if method[label] == m] for m in method.values()}
-    methods = {m: labels for m, labels in methods.items() if len(labels) > 1}  # one seed: nothing to pool
+    method_of = {label: label.rpartition("@")[0] + "@*" for label in results if "@" in label}  # es@0 → es@*
+    methods = {name: [label for label in method_of if method_of[label] == name] for name in method_of.values()}
+    methods = {name: labels for name, labels in methods.items() if len(labels) > 1}  # one seed: nothing to pool
     rows: dict[str, dict] = {}
     for task, ref in results[reference].items():
-        weights = bootstrap_weights(len(ref["correct_counts"]), resamples, derive_seed(seed, "bootstrap", task))
+        draws = bootstrap_draws(len(ref["correct_counts"]), resamples, derive_seed(seed, "bootstrap", task))
         values = {label: per_problem(r[task], report["n"], report["ks"]) for label, r in results.items()}  # (P, M)
-        values |= {m: np.mean([values[label] for label in labels], 0) for m, labels in methods.items()}
+        values |= {name: np.mean([values[label] for label in labels], 0) for name, labels in methods.items()}
         for label, v in values.items():
-            cells = [{"mean": m, "ci": [lo, hi]} for m, lo, hi in zip(*interval(v, weights).tolist())]
+            cells = [{"mean": mean, "ci": [lo, hi]} for mean, lo, hi in zip(*interval(v, draws).tolist())]
             if label != reference:
-                diff, won, lost = paired(v, values[reference], weights)
-                for cell, d, lo, hi, n_won, n_lost in zip(cells, *diff.tolist(), won.tolist(), lost.tolist()):
-                    cell |= {"diff": d, "diff_ci": [lo, hi], "won": n_won, "lost": n_lost}
+                diff, won, lost = paired(v, values[reference], draws)
+                for cell, d_mean, lo, hi, n_won, n_lost in zip(cells, *diff.tolist(), won.tolist(), lost.tolist()):
+                    cell |= {"diff": d_mean, "diff_ci": [lo, hi], "won": n_won, "lost": n_lost}
             rows.setdefault(label, {})[task] = dict(zip(metrics, cells))
     return {"reference": reference, "resamples": resamples, "seed": seed, "methods": methods, "rows": rows}
 
@@ -364,7 +364,7 @@ def markdown(report: dict) -> str:
             if label != u["reference"]:
                 diffs.append(f"| {label} | {task} | " + "".join(f"{ci(c['diff'], c['diff_ci'], '+.1f')} {c['won']}/"
                                                                 f"{c['lost']} | " for c in cells.values()).rstrip())
-    lines += diffs if len(diffs) > 5 else []
+    lines += diffs if len(u["rows"]) > 1 else []  # the reference alone: nothing to compare
     if report.get("sparsity"):
         lines += ["", f"Functional sparsity on {report['task']} (pass@1 in %, n = {report['n']}; base: "
                       f"{report['base']})", "", "| model | τ | s_τ | D_rel | pass@1 | Δ vs full |",
@@ -388,9 +388,9 @@ def plot(report: dict, file: Path) -> None:
     fig, axes = plt.subplots(1, len(first), figsize=(4.5 * len(first), 3.6), squeeze=False)
     for ax, task in zip(axes[0], first):
         for label, row in report["uncertainty"]["rows"].items():
-            cells = np.array([[row[task][f"pass@{k}"]["mean"], *row[task][f"pass@{k}"]["ci"]] for k in ks]).T  # (3, K)
-            (line,) = ax.plot(ks, 100 * cells[0], marker="o", label=label, ls="--" if label.endswith("@*") else "-")
-            ax.fill_between(ks, 100 * cells[1], 100 * cells[2], color=line.get_color(), alpha=0.15, lw=0)
+            curve = np.array([[row[task][f"pass@{k}"]["mean"], *row[task][f"pass@{k}"]["ci"]] for k in ks]).T  # (3, K)
+            (line,) = ax.plot(ks, 100 * curve[0], marker="o", label=label, ls="--" if label.endswith("@*") else "-")
+            ax.fill_between(ks, 100 * curve[1], 100 * curve[2], color=line.get_color(), alpha=0.15, lw=0)
         ax.set_xscale("log", base=2)
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.set(title=f"{task} ({first[task]['num_problems']} problems)", xlabel="k", ylabel="pass@k (%), 95% interval")

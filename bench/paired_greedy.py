@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import cli, derive_seed, require  # noqa: E402
-from eval_passk import bootstrap_weights, paired  # noqa: E402
+from eval_passk import Args as EvalArgs, bootstrap_draws, paired  # noqa: E402
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Args:
     """the label of the model to compare against"""
 
 
-def compare(rows: list[dict], base: str, resamples: int = 2000, seed: int = 0) -> list[dict]:
+def compare(rows: list[dict], base: str, resamples: int = EvalArgs.resamples, seed: int = EvalArgs.seed) -> list[dict]:
     """A result per (model ≠ base, problem set) from samples.jsonl rows that hold a greedy completion; eval_passk's
     resamples of the problems (its default --resamples and --seed), so the accuracy intervals are passk.md's."""
     greedy = defaultdict(dict)  # (model, set) -> problem -> greedy row
@@ -50,8 +50,8 @@ def compare(rows: list[dict], base: str, resamples: int = 2000, seed: int = 0) -
         problems = sorted(set(by_problem) & set(greedy[base, name]))
         a, b = (np.array([[float(g[x]["reward"]), float(g[x]["correct"])] for x in problems])  # (P, 2)
                 for g in (greedy[base, name], by_problem))
-        weights = bootstrap_weights(len(problems), resamples, derive_seed(seed, "bootstrap", name))
-        (diff, lo, hi), won, lost = paired(b, a, weights)
+        draws = bootstrap_draws(len(problems), resamples, derive_seed(seed, "bootstrap", name))
+        (diff, lo, hi), won, lost = paired(b, a, draws)
         out.append({"model": model, "set": name, "problems": len(problems), "won": int(won[1]), "lost": int(lost[1]),
                     **{key: (a[:, i].mean(), b[:, i].mean(), diff[i], lo[i], hi[i])
                        for i, key in enumerate(("reward", "correct"))}})
@@ -67,8 +67,8 @@ def main(args: Args) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         (ra, rb, rd, rlo, rhi), (ca, cb, cd, clo, chi) = r["reward"], r["correct"]
-        print(f"| {r['model']} | {r['set']} | {r['problems']} | {ra:.3f} → {rb:.3f} | {rd:+.3f} [{rlo:+.3f}, {rhi:+.3f}] "
-              f"| {ca:.3f} → {cb:.3f} | {cd:+.3f} [{clo:+.3f}, {chi:+.3f}] | {r['won']} / {r['lost']} |")
+        print(f"| {r['model']} | {r['set']} | {r['problems']} | {ra:.3f} → {rb:.3f} | {rd:+.3f} [{rlo:+.3f}, "
+              f"{rhi:+.3f}] | {ca:.3f} → {cb:.3f} | {cd:+.3f} [{clo:+.3f}, {chi:+.3f}] | {r['won']} / {r['lost']} |")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 
 from conftest import ROOT, make_tiny_model
 from common import Problem, extract_answer, score
-from eval_passk import (Args, bootstrap_weights, interval, k_grid, main, maj_at_k, markdown, paired, pass_at_k,
+from eval_passk import (Args, bootstrap_draws, interval, k_grid, main, maj_at_k, markdown, paired, pass_at_k,
                         per_problem, plot, relative_drift, reset_small_changes, uncertainty)
 
 
@@ -94,17 +94,17 @@ def test_reset_small_changes_counts_and_limits():
     assert relative_drift(theta, theta0) == pytest.approx(expected)
 
 
-def test_bootstrap_weights_match_the_exact_enumeration_of_resamples():
+def test_bootstrap_draws_match_the_exact_enumeration_of_resamples():
     """P = 3 problems: the 27 equally likely index triples give each of the 10 count vectors its exact probability."""
     exact = Counter(tuple(np.bincount(idx, minlength=3).tolist()) for idx in itertools.product(range(3), repeat=3))
-    weights = bootstrap_weights(3, 200_000, seed=0)
-    assert weights.shape == (200_000, 3) and (weights.sum(1) == 3).all()
-    drawn = Counter(map(tuple, weights.tolist()))
+    draws = bootstrap_draws(3, 200_000, seed=0)
+    assert draws.shape == (200_000, 3) and (draws.sum(1) == 3).all()
+    drawn = Counter(map(tuple, draws.tolist()))
     assert drawn.keys() == exact.keys()
     for w, count in exact.items():  # 5 standard errors of a frequency at B = 200,000
         assert drawn[w] / 200_000 == pytest.approx(count / 27, abs=5e-3), w
-    assert np.array_equal(bootstrap_weights(5, 50, 7), bootstrap_weights(5, 50, 7))
-    assert not np.array_equal(bootstrap_weights(5, 50, 7), bootstrap_weights(5, 50, 8))
+    assert np.array_equal(bootstrap_draws(5, 50, 7), bootstrap_draws(5, 50, 7))
+    assert not np.array_equal(bootstrap_draws(5, 50, 7), bootstrap_draws(5, 50, 8))
 
 
 def test_interval_against_exact_enumeration_and_the_closed_form():
@@ -113,10 +113,11 @@ def test_interval_against_exact_enumeration_and_the_closed_form():
     values = np.array([[0.0, 1.0], [0.5, 0.0], [1.0, 0.0]])  # (P, M) = (3, 2)
     exact = np.array([values[list(idx)].mean(0) for idx in itertools.product(range(3), repeat=3)])  # (27, 2)
     assert exact.mean(0) == pytest.approx(values.mean(0)) and exact.std(0) == pytest.approx(values.std(0) / 3**0.5)
-    weights = bootstrap_weights(3, 200_000, seed=1)
-    means = weights @ values / 3  # the B resample means, as interval() takes them
-    assert means.mean(0) == pytest.approx(exact.mean(0), abs=3e-3) and means.std(0) == pytest.approx(exact.std(0), rel=1e-2)
-    mean, lo, hi = interval(values, weights)
+    draws = bootstrap_draws(3, 200_000, seed=1)
+    means = draws @ values / 3  # the B resample means, as interval() takes them
+    assert means.mean(0) == pytest.approx(exact.mean(0), abs=3e-3)
+    assert means.std(0) == pytest.approx(exact.std(0), rel=1e-2)
+    mean, lo, hi = interval(values, draws)
     assert mean.tolist() == values.mean(0).tolist() and lo.tolist() == exact.min(0).tolist()
     assert hi.tolist() == exact.max(0).tolist()
 
@@ -124,18 +125,19 @@ def test_interval_against_exact_enumeration_and_the_closed_form():
 def test_interval_width_approaches_the_normal_closed_form():
     """P = 400: the resample mean is near normal with sd = sd(v, ddof=0)/√P, so the interval is ≈ mean ± 1.96 sd."""
     values = np.random.default_rng(0).random((400, 3)) ** [1, 2, 3]  # (P, M): three different spreads
-    mean, lo, hi = interval(values, bootstrap_weights(400, 20_000, seed=2))
+    mean, lo, hi = interval(values, bootstrap_draws(400, 20_000, seed=2))
     se = values.std(0) / 20
     assert (hi - lo) / 2 == pytest.approx(1.96 * se, rel=0.05)
     assert (mean - lo) / se == pytest.approx(1.96, abs=0.15) and (hi - mean) / se == pytest.approx(1.96, abs=0.15)
 
 
 def test_identical_problems_give_a_point_and_a_model_against_itself_gives_exactly_zero():
-    weights = bootstrap_weights(7, 1000, seed=3)
-    mean, lo, hi = interval(np.full((7, 2), 0.3), weights)
-    assert mean == pytest.approx([0.3, 0.3]) and lo == pytest.approx(mean, abs=1e-15) and hi == pytest.approx(mean, abs=1e-15)
+    draws = bootstrap_draws(7, 1000, seed=3)
+    mean, lo, hi = interval(np.full((7, 2), 0.3), draws)
+    assert mean == pytest.approx([0.3, 0.3])
+    assert lo == pytest.approx(mean, abs=1e-15) and hi == pytest.approx(mean, abs=1e-15)
     values = np.random.default_rng(3).random((7, 2))
-    (d, d_lo, d_hi), won, lost = paired(values, values.copy(), weights)
+    (d, d_lo, d_hi), won, lost = paired(values, values.copy(), draws)
     assert (d == 0).all() and (d_lo == 0).all() and (d_hi == 0).all() and (won == 0).all() and (lost == 0).all()
 
 
@@ -196,7 +198,8 @@ def test_markdown_and_plot_show_the_intervals(tmp_path: Path):
                            "es@1": ([0, 2, 0, 2], [0, 1, 0, 1])})
     report |= {"uncertainty": uncertainty(report, "base", 300, seed=0), "sparsity": {}}
     table = markdown(report)
-    assert "| base | arith | 50.0 [" in table and "| 50.0 [50.0, 50.0] | 100.0 [100.0, 100.0] | 25.0 | 0.500 | 9 |" in table
+    assert "| base | arith | 50.0 [" in table  # base greedy (1, 1, 0, 0): a real interval; then pass@1, pass@2, maj@2, …
+    assert "| 50.0 [50.0, 50.0] | 100.0 [100.0, 100.0] | 25.0 | 0.500 | 9 |" in table
     assert "| es@* | arith | 50.0 [50.0, 50.0] | 50.0 [50.0, 50.0] | 50.0 [50.0, 50.0] | — | — | — |" in table
     assert "Paired difference from base" in table and table.count("| base | arith |") == 1  # no row against itself
     assert "| +0.0 [+0.0, +0.0] 0/0 | -50.0 [-50.0, -50.0] 0/4 |" in table  # es@*: pass@1, pass@2
