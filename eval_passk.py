@@ -21,6 +21,12 @@ Functional sparsity ([ES-LLM] §4.2), base θ₀, trained θ, Δ = θ − θ₀,
 
 The paper: at s_τ ≈ 78%, pass@1 of θ_τ stays within ±0.5 pt of the full ES model.
 
+Uncertainty: 95% percentile bootstrap over problems ([Efron & Tibshirani 1993] ch. 13; B = --resamples, from --seed)
+of v(x) = 1[greedy correct] and v(x) = pass@k(x) (unbiased per problem: the interval covers c(x)'s sampling noise
+too). Paired ([Miller 2024] arXiv 2411.00640): d(x) = v_m(x) − v_ref(x) for every row m ≠ --reference, on the same
+resamples; won / lost = #{x: d(x) > 0} / #{x: d(x) < 0}. Seeds: labels METHOD@SEED (es@0 es@1 es@2) add a row
+METHOD@* with v(x) = the mean over seeds of v_s(x), so every seed and the reference are resampled on the same problems.
+
 Choices the papers leave open (and why):
   1. maj@k tie-break: among the answers with the most votes, the one seen first wins. Samples without an answer
      (None) abstain; if all k abstain, the vote is wrong. The vote is right iff the first sample giving the winning
@@ -110,16 +116,21 @@ class Args:
     """base model θ₀ for functional sparsity: a label from --models or a PATH; unset = no sparsity table"""
     reset_tau: tuple[float, ...] = (2.5e-4, 5e-4, 1e-3, 1.5e-3, 2e-3)
     """thresholds τ (≥ 0): reset every coordinate with 0 < |θ−θ₀| ≤ τ to θ₀ ([ES-LLM] §4.2 grid)"""
+    reference: Optional[str] = None
+    """label from --models that every other row is compared with (paired bootstrap); default: the first model"""
+    resamples: int = 2000
+    """bootstrap resamples B of the problems for every 95% interval (≥ 1)"""
 
 
 def check_args(args: Args) -> None:
     """Every numeric flag in its range (the Args docstrings), before anything is loaded or written."""
-    for flag in ("batch_size", "n", "max_new_tokens"):
+    for flag in ("batch_size", "n", "max_new_tokens", "resamples"):
         require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
     require(args.num_problems is None or args.num_problems >= 1, f"--num-problems must be ≥ 1, got {args.num_problems}")
     require(args.temperature > 0, f"--temperature must be > 0 (pass@k needs samples), got {args.temperature}")
     require(0 < args.top_p <= 1 and 0 < args.vllm_memory <= 1, "--top-p and --vllm-memory must be in (0, 1]")
     require(all(tau >= 0 for tau in args.reset_tau), f"--reset-tau must be ≥ 0, got {args.reset_tau}")
+    require(args.reference in (None, *parse_models(args.models)), f"--reference '{args.reference}' is not a label")
     require(not Path(args.out_dir).is_file(), f"--out-dir '{args.out_dir}' is a file")
     require(not (Path(args.out_dir) / "passk.json").exists(),
             f"'{args.out_dir}' already holds passk.json: choose another --out-dir")
@@ -145,6 +156,53 @@ def maj_at_k(answers: Sequence[Optional[str]], correct: Sequence[bool], k: int) 
 def k_grid(n: int) -> list[int]:
     """k = 1, 2, 4, … ≤ n, and n itself."""
     return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
+
+
+def bootstrap_draws(num_problems: int, resamples: int, seed: int) -> np.ndarray:
+    """(B, P): how often each problem is drawn in each of B resamples of the P problems with replacement."""
+    # the counts of P draws with replacement are Multinomial(P, 1/P each): one vectorised call, no (B, P) indices
+    return np.random.default_rng(seed).multinomial(num_problems, np.full(num_problems, 1 / num_problems), resamples)
+
+
+def interval(values: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """(3, M): the mean over problems of each column of `values` (P, M) and its 95% percentile interval over `draws`."""
+    means = draws @ values / len(values)  # (B, M): the mean of each resample
+    return np.vstack([values.mean(0), np.percentile(means, [2.5, 97.5], axis=0)])
+
+
+def paired(values: np.ndarray, ref_values: np.ndarray, draws: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """d(x) = v(x) − v_ref(x) for (P, M) values on the same problems: its mean and interval (3, M) on the same
+    resamples for both, and the problems won #{d > 0} and lost #{d < 0}, (M,) each."""
+    d = values - ref_values  # (P, M)
+    return interval(d, draws), (d > 0).sum(0), (d < 0).sum(0)
+
+
+def per_problem(result: dict, n: int, ks: Sequence[int]) -> np.ndarray:
+    """(P, 1 + K): v(x) = 1[greedy correct] and the unbiased pass@k(x) for each k, from a result's per-problem data."""
+    table = np.array([[pass_at_k(n, c, k) for k in ks] for c in range(n + 1)])  # (n + 1, K): pass@k(x) needs c(x) only
+    return np.column_stack([result["greedy_correct"], table[result["correct_counts"]]])
+
+
+def uncertainty(report: dict, reference: str, resamples: int, seed: int) -> dict:
+    """Greedy and pass@k of every model and pooled METHOD@* with 95% intervals, and their paired differences from
+    `reference` (module docstring): {"rows": {row: {task: {metric: {mean, ci, diff, diff_ci, won, lost}}}}, …}."""
+    results, metrics = report["results"], ["greedy"] + [f"pass@{k}" for k in report["ks"]]
+    method_of = {label: label.rpartition("@")[0] + "@*" for label in results if "@" in label}  # es@0 → es@*
+    methods = {name: [label for label in method_of if method_of[label] == name] for name in method_of.values()}
+    methods = {name: labels for name, labels in methods.items() if len(labels) > 1}  # one seed: nothing to pool
+    rows: dict[str, dict] = {}
+    for task, ref in results[reference].items():
+        draws = bootstrap_draws(len(ref["correct_counts"]), resamples, derive_seed(seed, "bootstrap", task))
+        values = {label: per_problem(r[task], report["n"], report["ks"]) for label, r in results.items()}  # (P, M)
+        values |= {name: np.mean([values[label] for label in labels], 0) for name, labels in methods.items()}
+        for label, v in values.items():
+            cells = [{"mean": mean, "ci": [lo, hi]} for mean, lo, hi in zip(*interval(v, draws).tolist())]
+            if label != reference:
+                diff, won, lost = paired(v, values[reference], draws)
+                for cell, d_mean, lo, hi, n_won, n_lost in zip(cells, *diff.tolist(), won.tolist(), lost.tolist()):
+                    cell |= {"diff": d_mean, "diff_ci": [lo, hi], "won": n_won, "lost": n_lost}
+            rows.setdefault(label, {})[task] = dict(zip(metrics, cells))
+    return {"reference": reference, "resamples": resamples, "seed": seed, "methods": methods, "rows": rows}
 
 
 def reset_small_changes(theta: dict[str, torch.Tensor], theta0: dict[str, torch.Tensor],
@@ -277,22 +335,36 @@ def evaluate(policy: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem],
                "reward": float(rewards.mean()),
                "response_tokens": float(np.mean([len(s.token_ids) for g in grouped for s in g])),
                "num_problems": len(problems), "correct_counts": counts.astype(int).tolist()}
-    if greedy:
-        metrics["greedy"] = float(np.mean([r["greedy"]["correct"] for r in rows]))
+    if greedy:  # per problem too: the paired bootstrap needs it
+        metrics["greedy_correct"] = [int(r["greedy"]["correct"]) for r in rows]
+        metrics["greedy"] = float(np.mean(metrics["greedy_correct"]))
     return metrics, rows
 
 
 # ---------------------------------------------------------------------------------------------------- report
 def markdown(report: dict) -> str:
-    """The pass@k table (a row per model × task) and, with --base, the sparsity table."""
-    ks = report["ks"]
-    head = ["model", "task", "greedy"] + [f"pass@{k}" for k in ks] + [f"maj@{ks[-1]}", "reward", "tokens"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for label, tasks in report["results"].items():
-        for task, r in tasks.items():
-            cells = [label, task, f"{100 * r['greedy']:.1f}"] + [f"{100 * r['pass@k'][k]:.1f}" for k in ks] + [
-                f"{100 * r['maj@k'][ks[-1]]:.1f}", f"{r['reward']:.3f}", f"{r['response_tokens']:.0f}"]
-            lines.append("| " + " | ".join(cells) + " |")
+    """Greedy and pass@k with 95% intervals and their paired differences from the reference (a row per model or pooled
+    method × task), and with --base the sparsity table."""
+    ks, u = report["ks"], report["uncertainty"]
+
+    def ci(mean: float, bounds: list[float], fmt: str = ".1f") -> str:
+        return f"{100 * mean:{fmt}} [{100 * bounds[0]:{fmt}}, {100 * bounds[1]:{fmt}}]"
+
+    head = "| model | task | greedy |" + "".join(f" pass@{k} |" for k in ks)
+    lines = [f"In %: the mean over problems [95% bootstrap interval, {u['resamples']} resamples]; METHOD@* pools its "
+             "seeds METHOD@s", "", head + f" maj@{ks[-1]} | reward | tokens |", "|" + "---|" * (len(ks) + 6)]
+    diffs = ["", f"Paired difference from {u['reference']} in points [95% interval] and the problems won/lost (per "
+                 "problem: 1[greedy correct]; the unbiased pass@k(x))", "", head, "|" + "---|" * (len(ks) + 3)]
+    for label, tasks in u["rows"].items():
+        for task, cells in tasks.items():
+            r = report["results"].get(label, {}).get(task)  # None for a pooled METHOD@*
+            lines.append(f"| {label} | {task} | " + "".join(f"{ci(c['mean'], c['ci'])} | " for c in cells.values()) + (
+                f"{100 * r['maj@k'][ks[-1]]:.1f} | {r['reward']:.3f} | {r['response_tokens']:.0f} |" if r else
+                "— | — | — |"))
+            if label != u["reference"]:
+                diffs.append(f"| {label} | {task} | " + "".join(f"{ci(c['diff'], c['diff_ci'], '+.1f')} {c['won']}/"
+                                                                f"{c['lost']} | " for c in cells.values()).rstrip())
+    lines += diffs if len(u["rows"]) > 1 else []  # the reference alone: nothing to compare
     if report.get("sparsity"):
         lines += ["", f"Functional sparsity on {report['task']} (pass@1 in %, n = {report['n']}; base: "
                       f"{report['base']})", "", "| model | τ | s_τ | D_rel | pass@1 | Δ vs full |",
@@ -306,20 +378,22 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, file: Path) -> None:
-    """pass@k vs k on a log2 axis: one panel per task, one line per model (as in Yue et al. 2025)."""
+    """pass@k vs k on a log2 axis: one panel per task, one line (and 95% band) per row (as in Yue et al. 2025)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    tasks, ks = list(next(iter(report["results"].values()))), report["ks"]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
-        for label, results in report["results"].items():
-            ax.plot(ks, [100 * results[task]["pass@k"][k] for k in ks], marker="o", label=label)
+    first, ks = next(iter(report["results"].values())), report["ks"]
+    fig, axes = plt.subplots(1, len(first), figsize=(4.5 * len(first), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], first):
+        for label, row in report["uncertainty"]["rows"].items():
+            curve = np.array([[row[task][f"pass@{k}"]["mean"], *row[task][f"pass@{k}"]["ci"]] for k in ks]).T  # (3, K)
+            (line,) = ax.plot(ks, 100 * curve[0], marker="o", label=label, ls="--" if label.endswith("@*") else "-")
+            ax.fill_between(ks, 100 * curve[1], 100 * curve[2], color=line.get_color(), alpha=0.15, lw=0)
         ax.set_xscale("log", base=2)
         ax.set_xticks(ks, [str(k) for k in ks])
-        ax.set(title=f"{task} ({results[task]['num_problems']} problems)", xlabel="k", ylabel="pass@k (%)")
+        ax.set(title=f"{task} ({first[task]['num_problems']} problems)", xlabel="k", ylabel="pass@k (%), 95% interval")
         ax.set_ylim(0, max(ax.get_ylim()[1], 1.0))  # a flat 0% curve stays on the axis, not mid-panel
         ax.grid(alpha=0.3)
     axes[0][0].legend()
@@ -385,7 +459,8 @@ def main(args: Args) -> Path:
         if args.backend == "vllm":
             policy.close()
 
-    # 4. write passk.json (per-problem counts: curves can be recomputed), passk.md (printed) and passk.png
+    # 4. intervals; write passk.json (per-problem counts: curves and intervals can be recomputed), passk.md, passk.png
+    report["uncertainty"] = uncertainty(report, args.reference or first, args.resamples, args.seed)
     (run / "passk.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)
     (run / "passk.md").write_text(table)

@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import common  # noqa: E402
+import eval_passk  # noqa: E402
 import paired_greedy  # noqa: E402
 import plot_curves  # noqa: E402
 import task_data  # noqa: E402
@@ -102,15 +104,23 @@ def test_plot_curves_reads_every_script_layout(tmp_path: Path, capsys: pytest.Ca
 
 
 def test_paired_greedy_by_hand() -> None:
-    """Per-problem greedy rewards base (1, 0.1, 0, 1) and es (1, 1, 0.1, 0): d = (0, 0.9, 0.1, −1), mean 0,
-    SE = √(1.82/3)/2; correctness d = (0, 1, 0, −1): SE = √(2/3)/2, one problem won (x = 1), one lost (x = 3)."""
+    """Per-problem greedy rewards base (1, 0.1, 0, 1) and es (1, 1, 0.1, 0): d = (0, 0.9, 0.1, −1), mean 0;
+    correctness d = (0, 1, 0, −1): one problem won (x = 1), one lost (x = 3); the accuracy interval is eval_passk's."""
     def rows(model: str, rewards: list[float]) -> list[dict]:
         return [{"model": model, "set": "arith", "problem": x, "greedy": {"reward": r, "correct": r == 1}}
                 for x, r in enumerate(rewards)]
     other_set = [{**row, "set": "other"} for row in rows("base", [0, 0, 0, 0])]  # no es rows: not compared
     (r,) = paired_greedy.compare(rows("es", [1, 1, 0.1, 0]) + rows("base", [1, 0.1, 0, 1]) + other_set, "base")
     assert (r["model"], r["set"], r["problems"], r["won"], r["lost"]) == ("es", "arith", 4, 1, 1)
-    assert r["reward"] == pytest.approx((0.525, 0.525, 0.0, (1.82 / 3) ** 0.5 / 2))
-    assert r["correct"] == pytest.approx((0.5, 0.5, 0.0, (2 / 3) ** 0.5 / 2))
+    assert r["reward"][:3] == pytest.approx((0.525, 0.525, 0.0)) and r["correct"][:3] == pytest.approx((0.5, 0.5, 0.0))
+    assert -1 <= r["reward"][3] < 0 < r["reward"][4] <= 0.9  # within the extreme resample means, min d and max d
+    greedy = {m: np.random.default_rng(i).integers(0, 2, 200).tolist() for i, m in enumerate(("base", "es"))}
+    (r200,) = paired_greedy.compare([row for m, g in greedy.items() for row in rows(m, g)], "base")
+    report = {"n": 1, "ks": [1], "results": {m: {"arith": {"correct_counts": g, "greedy_correct": g}}
+                                             for m, g in greedy.items()}}
+    cell = eval_passk.uncertainty(report, "base", 2000, 0)["rows"]["es"]["arith"]["greedy"]
+    assert [cell["diff"], *cell["diff_ci"]] == list(r200["correct"][2:])  # the same resamples of the same problems
+    assert (cell["won"], cell["lost"]) == (r200["won"], r200["lost"])
     up = paired_greedy.compare(rows("es", [1, 1, 1, 1]) + rows("base", [1, 0.1, 0, 1]), "base")[0]
     assert up["reward"][2] == pytest.approx(0.475) and up["won"] == 2 and up["lost"] == 0
+    assert 0 <= up["correct"][3] <= up["correct"][4] <= 1  # d ≥ 0 on every problem

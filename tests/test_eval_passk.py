@@ -7,14 +7,17 @@ import json
 import math
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import ROOT, make_tiny_model
 from common import Problem, extract_answer, score
-from eval_passk import Args, k_grid, main, maj_at_k, pass_at_k, relative_drift, reset_small_changes
+from eval_passk import (Args, bootstrap_draws, interval, k_grid, main, maj_at_k, markdown, paired, pass_at_k,
+                        per_problem, plot, relative_drift, reset_small_changes, uncertainty)
 
 
 def brute_pass_at_k(n: int, c: int, k: int) -> float:
@@ -91,6 +94,119 @@ def test_reset_small_changes_counts_and_limits():
     assert relative_drift(theta, theta0) == pytest.approx(expected)
 
 
+def test_bootstrap_draws_match_the_exact_enumeration_of_resamples():
+    """P = 3 problems: the 27 equally likely index triples give each of the 10 count vectors its exact probability."""
+    exact = Counter(tuple(np.bincount(idx, minlength=3).tolist()) for idx in itertools.product(range(3), repeat=3))
+    draws = bootstrap_draws(3, 200_000, seed=0)
+    assert draws.shape == (200_000, 3) and (draws.sum(1) == 3).all()
+    drawn = Counter(map(tuple, draws.tolist()))
+    assert drawn.keys() == exact.keys()
+    for w, count in exact.items():  # 5 standard errors of a frequency at B = 200,000
+        assert drawn[w] / 200_000 == pytest.approx(count / 27, abs=5e-3), w
+    assert np.array_equal(bootstrap_draws(5, 50, 7), bootstrap_draws(5, 50, 7))
+    assert not np.array_equal(bootstrap_draws(5, 50, 7), bootstrap_draws(5, 50, 8))
+
+
+def test_interval_against_exact_enumeration_and_the_closed_form():
+    """The exact bootstrap distribution of a mean over P = 3 problems is the 27 resample means: its mean is the sample
+    mean, its sd the closed form sd(v, ddof=0)/√P; its extremes (probability 1/27 > 2.5% each) are the interval."""
+    values = np.array([[0.0, 1.0], [0.5, 0.0], [1.0, 0.0]])  # (P, M) = (3, 2)
+    exact = np.array([values[list(idx)].mean(0) for idx in itertools.product(range(3), repeat=3)])  # (27, 2)
+    assert exact.mean(0) == pytest.approx(values.mean(0)) and exact.std(0) == pytest.approx(values.std(0) / 3**0.5)
+    draws = bootstrap_draws(3, 200_000, seed=1)
+    means = draws @ values / 3  # the B resample means, as interval() takes them
+    assert means.mean(0) == pytest.approx(exact.mean(0), abs=3e-3)
+    assert means.std(0) == pytest.approx(exact.std(0), rel=1e-2)
+    mean, lo, hi = interval(values, draws)
+    assert mean.tolist() == values.mean(0).tolist() and lo.tolist() == exact.min(0).tolist()
+    assert hi.tolist() == exact.max(0).tolist()
+
+
+def test_interval_width_approaches_the_normal_closed_form():
+    """P = 400: the resample mean is near normal with sd = sd(v, ddof=0)/√P, so the interval is ≈ mean ± 1.96 sd."""
+    values = np.random.default_rng(0).random((400, 3)) ** [1, 2, 3]  # (P, M): three different spreads
+    mean, lo, hi = interval(values, bootstrap_draws(400, 20_000, seed=2))
+    se = values.std(0) / 20
+    assert (hi - lo) / 2 == pytest.approx(1.96 * se, rel=0.05)
+    assert (mean - lo) / se == pytest.approx(1.96, abs=0.15) and (hi - mean) / se == pytest.approx(1.96, abs=0.15)
+
+
+def test_identical_problems_give_a_point_and_a_model_against_itself_gives_exactly_zero():
+    draws = bootstrap_draws(7, 1000, seed=3)
+    mean, lo, hi = interval(np.full((7, 2), 0.3), draws)
+    assert mean == pytest.approx([0.3, 0.3])
+    assert lo == pytest.approx(mean, abs=1e-15) and hi == pytest.approx(mean, abs=1e-15)
+    values = np.random.default_rng(3).random((7, 2))
+    (d, d_lo, d_hi), won, lost = paired(values, values.copy(), draws)
+    assert (d == 0).all() and (d_lo == 0).all() and (d_hi == 0).all() and (won == 0).all() and (lost == 0).all()
+
+
+def report_of(n: int, models: dict[str, tuple[list[int], list[int]]]) -> dict:
+    """A passk.json-shaped report on one task: per label, c(x) and 1[greedy correct] for each problem x."""
+    ks = k_grid(n)
+    return {"n": n, "ks": ks, "results": {label: {"arith": {
+        "correct_counts": c, "greedy_correct": g, "num_problems": len(c), "maj@k": {k: 0.25 for k in ks}, "reward": 0.5,
+        "response_tokens": 9.0}} for label, (c, g) in models.items()}}
+
+
+def test_paired_differences_and_won_lost_by_hand():
+    """n = 4, ks 1, 2, 4. pass@1(x) = c/4: es (1, 0, .5, .25), base (.75, 0, .5, .75): d = (.25, 0, 0, −.5).
+    pass@2(x) = 1 − C(4−c, 2)/6: c = 4, 3 → 1, c = 2 → 5/6, c = 1 → 1/2: d = (0, 0, 0, −.5). pass@4(x) = 1[c ≥ 1]:
+    d = 0. Greedy d = (1, 0, 0, −1). The same es twice ("copy") differs from es by exactly 0 on every resample."""
+    report = report_of(4, {"base": ([3, 0, 2, 3], [0, 0, 1, 1]), "es": ([4, 0, 2, 1], [1, 0, 1, 0]),
+                           "copy": ([4, 0, 2, 1], [1, 0, 1, 0])})
+    assert per_problem(report["results"]["es"]["arith"], 4, [1, 2, 4]) == pytest.approx(np.array(  # (P, greedy + K)
+        [[1, 1, 1, 1], [0, 0, 0, 0], [1, 0.5, 5 / 6, 1], [0, 0.25, 0.5, 1]]), abs=1e-15)
+    u = uncertainty(report, "base", 500, seed=0)
+    assert (u["reference"], u["methods"], list(u["rows"])) == ("base", {}, ["base", "es", "copy"])
+    es, base = u["rows"]["es"]["arith"], u["rows"]["base"]["arith"]
+    assert "diff" not in base["greedy"] and base["pass@1"]["mean"] == pytest.approx(0.5)
+    expected = {"greedy": (0.0, 1, 1), "pass@1": (-0.0625, 1, 1), "pass@2": (-0.125, 0, 1), "pass@4": (0.0, 0, 0)}
+    for metric, (diff, won, lost) in expected.items():
+        assert (es[metric]["diff"], es[metric]["won"], es[metric]["lost"]) == (pytest.approx(diff), won, lost), metric
+        assert es[metric]["diff_ci"][0] <= es[metric]["diff"] <= es[metric]["diff_ci"][1]
+        assert es[metric]["mean"] - base[metric]["mean"] == pytest.approx(diff)
+    assert es["pass@4"]["diff_ci"] == [0.0, 0.0] and es["pass@2"]["diff_ci"][1] == 0.0  # d ≤ 0 on every problem
+    copy = report_of(4, {"es": ([4, 0, 2, 1], [1, 0, 1, 0]), "copy": ([4, 0, 2, 1], [1, 0, 1, 0])})
+    for cell in uncertainty(copy, "es", 500, seed=0)["rows"]["copy"]["arith"].values():
+        assert (cell["diff"], cell["diff_ci"], cell["won"], cell["lost"]) == (0.0, [0.0, 0.0], 0, 0)
+    assert u["rows"]["copy"]["arith"] == es  # one set of resamples for every model
+    again = uncertainty(report, "base", 500, seed=0)
+    assert again == u and uncertainty(report, "base", 500, seed=1)["rows"]["es"] != u["rows"]["es"]
+
+
+def test_seeds_pool_by_hand_on_the_same_resamples():
+    """es@0 solves problems 0 and 2, es@1 problems 1 and 3 (n = 2, every sample alike): per problem the pooled
+    pass@1 = pass@2 = greedy = 1/2 on every problem, so resampling the seeds jointly gives a point interval (apart
+    they would not); base has c = 1 everywhere: pass@1 ties, pass@2 = 1 loses by 1/2 on all four problems."""
+    report = report_of(2, {"base": ([1, 1, 1, 1], [1, 1, 0, 0]), "es@0": ([2, 0, 2, 0], [1, 0, 1, 0]),
+                           "es@1": ([0, 2, 0, 2], [0, 1, 0, 1]), "grpo@0": ([1, 1, 1, 1], [1, 1, 1, 1])})
+    u = uncertainty(report, "base", 2000, seed=0)
+    assert u["methods"] == {"es@*": ["es@0", "es@1"]}  # a lone seed (grpo@0) is not pooled; base has no seed
+    assert list(u["rows"]) == ["base", "es@0", "es@1", "grpo@0", "es@*"]
+    pooled = u["rows"]["es@*"]["arith"]
+    for metric in ("greedy", "pass@1", "pass@2"):
+        assert (pooled[metric]["mean"], pooled[metric]["ci"]) == (0.5, [0.5, 0.5]), metric
+        assert u["rows"]["es@0"]["arith"][metric]["ci"][1] - u["rows"]["es@0"]["arith"][metric]["ci"][0] > 0.4
+    assert (pooled["pass@1"]["diff"], pooled["pass@1"]["diff_ci"], pooled["pass@1"]["won"]) == (0.0, [0.0, 0.0], 0)
+    assert (pooled["pass@2"]["diff"], pooled["pass@2"]["diff_ci"], pooled["pass@2"]["lost"]) == (-0.5, [-0.5, -0.5], 4)
+    assert (pooled["greedy"]["diff"], pooled["greedy"]["won"], pooled["greedy"]["lost"]) == (0.0, 2, 2)
+
+
+def test_markdown_and_plot_show_the_intervals(tmp_path: Path):
+    report = report_of(2, {"base": ([1, 1, 1, 1], [1, 1, 0, 0]), "es@0": ([2, 0, 2, 0], [1, 0, 1, 0]),
+                           "es@1": ([0, 2, 0, 2], [0, 1, 0, 1])})
+    report |= {"uncertainty": uncertainty(report, "base", 300, seed=0), "sparsity": {}}
+    table = markdown(report)
+    assert "| base | arith | 50.0 [" in table  # base greedy (1, 1, 0, 0): a real interval; then pass@1, pass@2, maj@2, …
+    assert "| 50.0 [50.0, 50.0] | 100.0 [100.0, 100.0] | 25.0 | 0.500 | 9 |" in table
+    assert "| es@* | arith | 50.0 [50.0, 50.0] | 50.0 [50.0, 50.0] | 50.0 [50.0, 50.0] | — | — | — |" in table
+    assert "Paired difference from base" in table and table.count("| base | arith |") == 1  # no row against itself
+    assert "| +0.0 [+0.0, +0.0] 0/0 | -50.0 [-50.0, -50.0] 0/4 |" in table  # es@*: pass@1, pass@2
+    plot(report, tmp_path / "passk.png")
+    assert (tmp_path / "passk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def run_script(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-W", "error", str(ROOT / "eval_passk.py"), *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
@@ -99,7 +215,7 @@ def run_script(*argv: str) -> subprocess.CompletedProcess:
 def test_help_exits_zero():
     result = run_script("--help")
     assert result.returncode == 0, result.stderr
-    assert "--reset-tau" in result.stdout and "--heldout" in result.stdout
+    assert "--reset-tau" in result.stdout and "--heldout" in result.stdout and "--reference" in result.stdout
 
 
 def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: Path):
@@ -121,7 +237,7 @@ def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: P
     out = tmp_path / "run"
     result = run_script("--models", f"base={tiny_model}", f"es={es_dir}", "--num-problems", "3", "--n", "4",
                         "--max-new-tokens", "6", "--heldout", f"gsm8k={gsm}", f"again:gsm8k={gsm}", "--base", "base",
-                        "--reset-tau", "5e-4", "1", "--out-dir", str(out))
+                        "--reset-tau", "5e-4", "1", "--resamples", "500", "--out-dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
 
     report = json.loads((out / "passk.json").read_text())
@@ -160,9 +276,21 @@ def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: P
         assert score(task, problem, r["greedy"]["response"]) == (r["greedy"]["reward"], r["greedy"]["correct"])
     greedy = [r["greedy"]["correct"] for r in rows if r["model"] == "base" and r["set"] == "gsm8k"]
     assert report["results"]["base"]["gsm8k"]["greedy"] == pytest.approx(sum(greedy) / 2)
+    assert report["results"]["base"]["gsm8k"]["greedy_correct"] == [int(g) for g in greedy]
+
+    # intervals: against the first model by default, and recomputed exactly from passk.json's per-problem data alone
+    u = report["uncertainty"]
+    assert (u["reference"], u["resamples"], u["seed"], list(u["rows"])) == ("base", 500, 0, ["base", "es"])
+    assert uncertainty(report, "base", 500, 0) == u
+    cell = u["rows"]["es"]["countdown"]["pass@1"]
+    assert cell["mean"] == pytest.approx(report["results"]["es"]["countdown"]["pass@k"]["1"])
+    assert cell["ci"][0] <= cell["mean"] <= cell["ci"][1] and cell["diff_ci"][0] <= cell["diff"] <= cell["diff_ci"][1]
+    assert cell["won"] + cell["lost"] <= 3 and set(u["rows"]["es"]) == {"countdown", "gsm8k", "again"}
 
     table = (out / "passk.md").read_text()
     assert "| base | countdown |" in table and "| es | gsm8k |" in table and "| es | again |" in table
+    assert f"| es | countdown | {100 * u['rows']['es']['countdown']['greedy']['mean']:.1f} [" in table
+    assert "Paired difference from base" in table and table.count("| es | countdown |") == 2
     assert "s_τ" in table
     assert "| es | full |" in table and table in result.stdout
     png = (out / "passk.png").read_bytes()
@@ -194,3 +322,5 @@ def test_clear_errors(tiny_model: str, tiny_qwen: str, tmp_path: Path):
     assert "task must be one of" in error(models=(tiny_model,), heldout=("aime",))
     assert "the name 'countdown' is taken" in error(models=(tiny_model,), heldout=("countdown",))  # the main task
     assert "the name 'x' is taken" in error(models=(tiny_model,), heldout=("x:gsm8k", "x:math500"))
+    assert "--reference 'b' is not a label" in error(models=(f"a={tiny_model}",), reference="b")
+    assert "--resamples must be ≥ 1" in error(models=(tiny_model,), resamples=0)
