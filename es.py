@@ -2,19 +2,19 @@
 
 The update ([ES-LLM] §2, [Qiu] Alg. 1, the shared-seed trick of [OpenAI-ES] Alg. 2). Per iteration t:
 
-    s_n = seed(run seed, t, n)                       n = 1..N; noise is never stored, only regenerated from s_n
-    R_n = mean_x reward(θ + σ·ε_n, x)                the same prompts x for every member, greedy decoding
-    Z_n = (R_n − mean(R)) / (std(R) + 1e-8)          population z-score (ddof 0); std(R) = 0 → no update
-    θ  ← θ + α · (1/N) · Σ_n Z_n · ε_n              no 1/σ: [Qiu] folds it into α; Σ accumulated in fp32
+    s_n = seed(run seed, t, n)                  n = 1..N; noise is never stored, only regenerated from s_n
+    R_n = mean_x reward(θ + σ·ε_n, x)           the same prompts x for every member, greedy decoding
+    Z_n = (R_n − mean R) / (std R + 1e-8)       population z-score (ddof 0); std R = 0 → no update
+    θ  ← θ + α · (1/N) · Σ_n Z_n · ε_n         no 1/σ: [Qiu] folds it into α; Σ accumulated in fp32
 
 Deviations from the reference code ([Qiu], VsonicV/es-fine-tuning-paper), and why:
-  1. ε is i.i.d. across tensors: each tensor's generator is seeded from (s_n, hash(tensor name)). The reference
-     seeds every tensor with s_n, so equal-shaped tensors (every q_proj, say) receive identical noise.
-  2. An fp32 master copy of θ. Member n is cast(master + σ·ε_n) and the restore copies the master back, bit-exact in
-     fp32/bf16/fp16. The reference adds then subtracts the noise in bf16, a random drift per member about as large
-     as the real update.
-  3. The update is accumulated and applied in fp32 on the master, then cast once (in bf16 ~35% of the update's
-     elements would round away).
+  1. ε is i.i.d. across tensors: each tensor's generator is seeded from (s_n, tensor name). The reference seeds
+     every tensor with s_n, so equal-shaped tensors (every q_proj, say) receive identical noise.
+  2. An fp32 master copy of θ (`common.Master`). Member n is cast(master + σ·ε_n) and the restore copies the master
+     back, bit-exact in fp32/bf16/fp16. The reference adds then subtracts the noise in bf16: a random drift per
+     member about as large as the real update.
+  3. The update is summed and applied in fp32 on the master, then cast once (in bf16 ~35% of the update's elements
+     would round away).
   4. Rewards score the completion only; the reference HF code scored prompt + completion (inflated format reward).
 Defaults follow the [ES-LLM] authors' artifact (GSM8K, Qwen2.5-1.5B-Instruct): N=32, σ=1.5e-3, α=2.5e-4, 64 prompts
 per iteration, 2 epochs in epoch-wise shuffled order, greedy rollouts of ≤ 2048 tokens. The task default is [Qiu]'s
@@ -22,8 +22,13 @@ Countdown. Options beyond both papers, off by default: antithetic ±ε pairs ([E
 weight decay θ ← θ₀ + (1 − αλ)(θ − θ₀) ([AWD]). The JS diversity and coverage are logged for greedy rollouts only:
 they need p_i(x) ∈ {0, 1}, which one sampled completion per (member, prompt) does not give.
 
-Reproducibility: every seed derives from --seed. On CPU a run is bitwise reproducible and `--resume` continues to
-exactly the weights of an uninterrupted run; GPU kernels (and vLLM batching) are only statistically reproducible.
+Backends: `--backend hf` generates with the HF model that holds θ; `--backend vllm` generates with a vLLM engine into
+which each member's weights are written (`sync_weights`, one engine load per member), as grpo.py writes its trained
+weights: the same seeds give the same weights, bit for bit, in both.
+
+Reproducibility: every seed derives from --seed. On CPU a run is bitwise reproducible, and a run stopped at any
+instant (Ctrl-C, kill) and resumed ends with exactly the weights of an uninterrupted run; GPU kernels (and vLLM
+batching) are only statistically reproducible.
 
 Run it:
   CPU, the embedded SmolLM2-135M-Instruct on small sums (the README's Quickstart, ~10 min on 2 cores):
@@ -38,20 +43,20 @@ Run it:
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Sequence
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from common import (EMBEDDED_MODEL, HFPolicy, Task, VLLMPolicy, check_run_args, cli, derive_seed, die, evaluate,
-                    init_distributed, init_run, interrupted, latest_checkpoint, load_task, log_metrics, plot_curves,
-                    render_prompt, require, save_checkpoint, schedule, score, truncate_metrics, uninterruptible)
+from common import (CURVES, EMBEDDED_MODEL, HFPolicy, Master, Run, Task, VLLMPolicy, check_gpu_memory,
+                    check_run_dir, cli, derive_seed, die, evaluate, held_interrupts, init_distributed, load_task,
+                    plot_curves, render_prompt, require, require_min, resolve_dtype, resolve_model, schedule, score,
+                    sync_weights)
 
 
 @dataclass
@@ -68,12 +73,8 @@ class Args:
     """run seed: member seeds, prompt order and sampling all derive from it"""
     out_dir: str = "runs/es"
     """run directory: args.json, metrics.jsonl, curves.png, checkpoints/"""
-    backend: Literal["hf", "vllm"] = "hf"
-    """rollout backend: Hugging Face generate, or a vLLM engine perturbed inside its worker (needs vllm)"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """model dtype; auto = bf16 on GPU, fp32 on CPU (the master is always fp32)"""
     resume: Optional[str] = None
-    """continue the run in this directory from its last checkpoint (its args.json, plus the flags passed here)"""
+    """continue the run in this directory from its last checkpoint (the flags it last ran with, plus those passed)"""
     eval_every: int = 25
     """evaluate the center θ on held-out problems every this many iterations, before the first and after the last
     (≥ 0; 0 = never)"""
@@ -81,21 +82,13 @@ class Args:
     """number of held-out test problems per evaluation (≥ 1)"""
     save_every: int = 50
     """write a checkpoint every this many iterations, at every epoch's end, at the end and on Ctrl-C (≥ 0; 0 = only
-    at epoch ends and at the end)"""
-    max_new_tokens: int = 2048
-    """generation budget per completion (≥ 1; [ES-LLM] artifact: 2048, [Qiu]: 1024)"""
-    batch_size: int = 64
-    """sequences per generate call (≥ 1)"""
-    vllm_memory: float = 0.7
-    """--backend vllm: the engine's share of GPU memory, in (0, 1] ([ES-LLM] artifact: 0.7); the worker's fp32 master,
-    θ₀ and staging copy live outside it"""
-    epochs: int = 2
-    """passes over the training set when --iterations is unset (≥ 1; [ES-LLM] artifact: 2 = 234 iterations on GSM8K)"""
-    iterations: Optional[int] = None
-    """ES iterations T (≥ 1); default: epochs × ⌈train size / prompts-per-iter⌉"""
-    prompt_order: Literal["epoch", "random"] = "epoch"
-    """epoch: a fresh shuffle of the training set per epoch, in contiguous batches ([ES-LLM] artifact); random: an
-    independent sample every iteration"""
+    at epoch ends, at the end and on Ctrl-C)"""
+    keep_last: int = 2
+    """checkpoints kept besides every epoch's end and the final one: the newest this many (≥ 1)"""
+    tracker: Optional[Literal["tensorboard", "wandb"]] = None
+    """also log the metrics to TensorBoard (run/tensorboard) or W&B (needs the package)"""
+    schedule_start: int = 0
+    """first update index of the prompt schedule (≥ 0; grpo_es.py's second stage continues the first one's order)"""
     pop: int = 32
     """population size N (≥ 2)"""
     sigma: float = 1.5e-3
@@ -104,30 +97,49 @@ class Args:
     """step size α (> 0; no 1/σ factor)"""
     prompts_per_iter: int = 64
     """prompts per iteration (≥ 1), the same for every member; all of them if ≥ the training set"""
+    iterations: Optional[int] = None
+    """ES iterations T (≥ 1); default: epochs × ⌈train size / prompts-per-iter⌉"""
+    epochs: int = 2
+    """passes over the training set when --iterations is unset (≥ 1; [ES-LLM] artifact: 2 = 234 iterations on GSM8K)"""
+    prompt_order: Literal["epoch", "random"] = "epoch"
+    """epoch: a fresh shuffle of the training set per epoch, in contiguous batches ([ES-LLM] artifact); random: an
+    independent sample every iteration"""
     train_size: Optional[int] = None
     """use only the first this many training problems (≥ 1; [Qiu]: 200)"""
-    temperature: float = 0.0
-    """rollout temperature (≥ 0); 0 = greedy (all exploration is in parameter space)"""
     antithetic: bool = False
     """mirrored pairs +ε/−ε (N must be even)"""
     awd_lambda: float = 0.0
     """anchored weight decay λ after each update (≥ 0, α·λ ≤ 1; 0 = off; [AWD] uses 10)"""
-    master_device: Optional[str] = None
-    """where the fp32 master and θ₀ live ('cpu' saves GPU memory; noise is still drawn on the model's device)"""
+    temperature: float = 0.0
+    """rollout temperature (≥ 0); 0 = greedy (all exploration is in parameter space)"""
+    max_new_tokens: int = 2048
+    """generation budget per completion (≥ 1; [ES-LLM] artifact: 2048, [Qiu]: 1024)"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """rollout backend: the HF model's generate, or a vLLM engine loaded with each member's weights (needs vllm)"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """model dtype; auto = bf16 on GPU, fp32 on CPU (the master is always fp32)"""
+    batch_size: int = 64
+    """sequences per generate call (≥ 1)"""
+    vllm_memory: float = 0.7
+    """--backend vllm: the engine's share of GPU memory, in (0, 1] ([ES-LLM] artifact: 0.7); the HF model, fp32
+    master and θ₀ live outside it"""
+    master_device: Optional[Literal["cpu", "cuda"]] = None
+    """where the fp32 master and θ₀ live (default: beside the model; 'cpu' saves GPU memory)"""
 
 
 def check_args(args: Args) -> None:
-    """Every numeric flag in its range (the Args docstrings), before anything is loaded or written."""
-    check_run_args(args)
+    """Every flag in its range (the Args docstrings), before anything is loaded or written."""
+    require_min(args, 1, "eval_prompts", "max_new_tokens", "batch_size", "epochs", "iterations", "prompts_per_iter",
+                "train_size", "keep_last")
+    require_min(args, 0, "eval_every", "save_every", "schedule_start", "temperature", "awd_lambda")
     require(args.pop >= 2, f"--pop must be ≥ 2 (a z-score needs two members), got {args.pop}")
     require(not args.antithetic or args.pop % 2 == 0, f"--antithetic needs an even --pop, got {args.pop}")
     for flag in ("sigma", "alpha"):
         value = getattr(args, flag)
         require(value > 0 and math.isfinite(value), f"--{flag} must be a finite number > 0, got {value}")
-    require(args.iterations is None or args.iterations >= 1, f"--iterations must be ≥ 1, got {args.iterations}")
-    require(args.prompts_per_iter >= 1, f"--prompts-per-iter must be ≥ 1, got {args.prompts_per_iter}")
-    require(args.temperature >= 0, f"--temperature must be ≥ 0, got {args.temperature}")
-    require(0 <= args.alpha * args.awd_lambda <= 1, f"--awd-lambda must be in [0, 1/α], got {args.awd_lambda}")
+    require(args.alpha * args.awd_lambda <= 1, f"--awd-lambda must be in [0, 1/α], got {args.awd_lambda}")
+    require(0 < args.vllm_memory <= 1, f"--vllm-memory must be in (0, 1], got {args.vllm_memory}")
+    check_run_dir(args.out_dir, args.resume)
 
 
 def member_seeds(seed: int, t: int, pop: int, antithetic: bool) -> tuple[list[int], np.ndarray]:
@@ -161,69 +173,58 @@ RewardFn = Callable[[int, str], tuple[float, bool]]
 """(prompt index, completion text) -> (reward, correct)."""
 
 
-def evaluate_population(policy: HFPolicy, prompts: list[str], reward_fn: RewardFn, seeds: list[int],
-                        signs: np.ndarray, args: Args, t: int, rank: int = 0,
+def evaluate_population(engine: HFPolicy | VLLMPolicy, master: Master, prompts: list[str], reward_fn: RewardFn,
+                        seeds: Sequence[int], signs: np.ndarray, sigma: float, max_new_tokens: int,
+                        temperature: float, sample_seeds: Sequence[int], rank: int = 0,
                         world: int = 1) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
-    """Rewards and correctness (N, P) of every member on the same prompts; restores θ after each member.
+    """Rewards and correctness (N, P) of every member on the same prompts; θ is restored after each member.
 
     Under torchrun, process `rank` evaluates members n ≡ rank (mod world) and the (N, P) results are summed across
     processes: each row is non-zero on exactly one process, so the sum is exact and every process gets all rows.
     """
     rewards, correct = np.zeros((len(seeds), len(prompts))), np.zeros((len(seeds), len(prompts)))
-    times, tokens = {"perturb": 0.0, "rollout": 0.0}, 0
+    perf = {"perturb_s": 0.0, "rollout_s": 0.0, "tokens": 0}
     for n in range(rank, len(seeds), world):
-        s, sign = seeds[n], signs[n]
         t0 = time.perf_counter()
-        policy.perturb(s, sign * args.sigma)  # θ_n = cast(master + sign·σ·ε_n)
+        master.perturb(seeds[n], signs[n] * sigma)  # θ_n = cast(θ + sign·σ·ε_n) in the HF model
+        sync_weights(engine, master.params)  # vLLM: one load per member; HF: these are its weights, nothing to do
         t1 = time.perf_counter()
-        samples = policy.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  seed=derive_seed(args.seed, "sample", t, n))
+        samples = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                  seed=sample_seeds[n])
         for x in samples:
             rewards[n, x.prompt_index], correct[n, x.prompt_index] = reward_fn(x.prompt_index, x.text)
-            tokens += len(x.token_ids)
+            perf["tokens"] += len(x.token_ids)
         t2 = time.perf_counter()
-        policy.restore()  # exact: θ = cast(master)
-        times["perturb"] += t1 - t0 + time.perf_counter() - t2
-        times["rollout"] += t2 - t1
+        master.restore()  # exact: θ = cast(master)
+        perf["perturb_s"] += t1 - t0 + time.perf_counter() - t2
+        perf["rollout_s"] += t2 - t1
     if world > 1:  # N·P floats cross the network; the weights never do
-        both = torch.from_numpy(np.stack([rewards, correct])).to(policy.device)  # NCCL reduces CUDA tensors only
+        device = next(iter(master.params.values())).device
+        both = torch.from_numpy(np.stack([rewards, correct])).to(device)  # NCCL reduces CUDA tensors only
         torch.distributed.all_reduce(both)
         rewards, correct = both.cpu().numpy()
-    return rewards, correct, {**times, "tokens": tokens}
+    return rewards, correct, perf
 
 
-def es_step(policy: HFPolicy, prompts: list[str], reward_fn: RewardFn, args: Args, t: int, rank: int = 0,
-            world: int = 1) -> dict[str, float]:
-    """One ES iteration on these prompts: evaluate N members, z-score their rewards, update the master θ."""
-    # 1. member seeds, derived from (--seed, t, n): nothing else is needed to regenerate ε_n anywhere
-    seeds, signs = member_seeds(args.seed, t, args.pop, args.antithetic)
-
-    # 2. evaluate the population: every member on the same prompts
-    rewards, correct, perf = evaluate_population(policy, prompts, reward_fn, seeds, signs, args, t, rank, world)
-    member_rewards = rewards.mean(1)  # R_n, (N,)
+def es_update(master: Master, seeds: Sequence[int], signs: np.ndarray, member_rewards: np.ndarray, alpha: float,
+              awd_lambda: float = 0.0) -> dict[str, float]:
+    """Normalize the member rewards R (N,) and move the fp32 master θ along the rewarded noise."""
     if not np.isfinite(member_rewards).all():  # a NaN must never reach the master weights
-        die(f"iteration {t + 1}: a member's reward is not finite ({member_rewards.tolist()}); θ was not updated")
+        die(f"a member's reward is not finite ({member_rewards.tolist()}); θ was not updated")
 
     # 3. normalize: population z-score; equal rewards carry no information, so no update (and no NaN)
     skip = member_rewards.std() == 0
     z = zscore(member_rewards)
 
-    # 4. update the fp32 master: θ ← θ + α/N · Σ_n Z_n·sign_n·ε(s_n)   (Ctrl-C waits: no half-applied update)
-    t_update = time.perf_counter()
-    with uninterruptible():
-        update_norm = 0.0 if skip else policy.add_noise(seeds, z * signs, scale=args.alpha / args.pop)
-        if args.awd_lambda > 0:  # anchored weight decay, L2 form: θ ← θ₀ + (1 − αλ)(θ − θ₀)
-            policy.shrink_to_base(1 - args.alpha * args.awd_lambda)
-    t_update = time.perf_counter() - t_update
+    # 4. θ ← θ + α/N · Σ_n Z_n·sign_n·ε(s_n), summed in fp32 on the master, then cast once into the model
+    update_norm = 0.0 if skip else master.add_noise(seeds, z * signs, scale=alpha / len(seeds))
+    if awd_lambda > 0:  # anchored weight decay [AWD], L2 form: θ ← θ₀ + (1 − αλ)(θ − θ₀)
+        master.shrink_to_base(1 - alpha * awd_lambda)
+    return {"es/update_norm": update_norm, "es/skipped": int(skip)}
 
-    row = {"train/reward_mean": float(member_rewards.mean()), "train/reward_std": float(member_rewards.std()),
-           "train/reward_max": float(member_rewards.max()), "train/accuracy": float(correct.mean()),
-           "es/update_norm": update_norm, "es/skipped": int(skip), "perf/rollout_s": perf["rollout"],
-           "perf/perturb_s": perf["perturb"], "perf/update_s": t_update,
-           "perf/tokens_per_s": perf["tokens"] / max(perf["rollout"], 1e-9)}
-    if args.temperature == 0:  # p_i(x) ∈ {0, 1} only for greedy rollouts (see the module docstring)
-        row["es/js_succ_bits"], row["es/coverage"] = js_diversity(correct)
-    return row
+
+ES_CURVES = (("es/js_succ_bits", "ES: JS diversity (bits)"),)
+"""es.py's panel in curves.png, beside common.CURVES."""
 
 
 def main(args: Args) -> Path:
@@ -231,78 +232,113 @@ def main(args: Args) -> Path:
     rank, world = init_distributed()  # every process holds θ and derives the same seeds; rank 0 logs and saves
     train = load_task(args.task, "train", args.data)[: args.train_size]
     test = load_task(args.task, "test", args.data)[: args.eval_prompts]
-    iterations = args.iterations or args.epochs * -(-len(train) // args.prompts_per_iter)
-    per_epoch = -(-len(train) // args.prompts_per_iter) if args.prompt_order == "epoch" else iterations + 1
-    if args.backend == "vllm":
-        policy = VLLMPolicy(args.model, args.dtype, es=True, master_device=args.master_device,
-                            batch_size=args.batch_size, gpu_memory=args.vllm_memory)
-    else:
-        policy = HFPolicy(args.model, args.dtype, es=True, master_device=args.master_device, batch_size=args.batch_size)
-    run = init_run(args.out_dir, args, resume=bool(args.resume)) if rank == 0 else Path(args.out_dir)
-    start = 0
-    if args.resume and (ckpt := latest_checkpoint(run)) is not None:
-        policy.load_master(ckpt)
-        start = json.loads((ckpt / "state.json").read_text())["step"]
-        if rank == 0:
-            truncate_metrics(run, "iteration", start)
+    per_epoch = -(-len(train) // args.prompts_per_iter)  # iterations per pass over the training set
+    iterations = args.iterations or args.epochs * per_epoch
+    per_epoch = per_epoch if args.prompt_order == "epoch" else iterations + 1  # random order: no epoch checkpoints
+    model = resolve_model(args.model)
+    dtype = resolve_dtype(args.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    if args.backend == "vllm":  # before anything is loaded: the HF model and the master live beside the engine
+        check_gpu_memory(model, dtype, args.vllm_memory, args.master_device)
+    run = Run(args.out_dir, args, args.resume is not None, args.keep_last, args.tracker, rank)
+
+    # θ twice: in the model dtype (the HF model) and in fp32 (the master); a vLLM engine gets copies of the former
+    policy = HFPolicy(model, args.dtype, batch_size=args.batch_size)
+    master = Master(policy.params, args.master_device)
+    if run.checkpoint:
+        master.load(run.checkpoint)
+    engine = policy if args.backend == "hf" else VLLMPolicy(model, args.dtype, batch_size=args.batch_size,
+                                                            gpu_memory=args.vllm_memory)
     prompts = [render_prompt(args.task, p, policy.tokenizer, args.chat_template) for p in train]
     say = tqdm.write if rank == 0 else lambda _: None
     size = min(args.prompts_per_iter, len(train))
-    say(f"es: {iterations - start} iterations of {args.pop} members × {size} prompts × ≤ {args.max_new_tokens} new "
-        f"tokens (≤ {args.pop * size * args.max_new_tokens:,} generated tokens per iteration)")
+    say(f"es: {iterations - run.start} iterations of {args.pop} members × {size} prompts × ≤ {args.max_new_tokens} "
+        f"new tokens (≤ {args.pop * size * args.max_new_tokens:,} generated tokens per iteration)")
+    bytes_per_param = dtype.itemsize + (4 if dtype != torch.float32 else 0)  # + the exact fp32 master in bf16
+    if rank == 0:
+        run.say_disk(sum(p.numel() for p in policy.params.values()) * bytes_per_param, iterations, per_epoch)
 
-    if start == 0 and args.eval_every > 0 and rank == 0:
-        log_metrics(run, {"iteration": 0, **evaluate(policy, args.task, test, args.max_new_tokens,
-                                                     args.chat_template, "eval θ₀")})
-    bar = tqdm(range(start, iterations), initial=start, total=iterations, desc="es", unit="it", disable=rank != 0)
-    done, saved, skipped = start, latest_checkpoint(run) if rank == 0 else None, 0
+    def save(folder: Path) -> None:  # a from_pretrained folder of cast(θ) (+ the fp32 θ if the dtype loses bits)
+        policy.save(folder)
+        master.save(folder)
+
+    def evaluate_center(step: int) -> None:  # greedy, held out; the engine may still hold the last member
+        sync_weights(engine, master.params)
+        run.log({"step": step, **evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template,
+                                          f"eval θ_{step}")})
+
+    def eval_due(step: int) -> bool:
+        return args.eval_every > 0 and (step % args.eval_every == 0 or step == iterations)
+
+    if rank == 0 and eval_due(run.start) and not run.logged(run.start, "eval/reward"):  # θ₀, or an eval cut short
+        evaluate_center(run.start)
+    bar = tqdm(range(run.start, iterations), initial=run.start, total=iterations, desc="es", unit="it",
+               disable=rank != 0)
+    done, skipped = run.start, 0
     try:
         for t in bar:
             t_start = time.perf_counter()
-            batch = schedule(args.seed, t, len(train), args.prompts_per_iter, args.prompt_order)
-            row = {"iteration": t + 1, **es_step(policy, [prompts[i] for i in batch],
-                                                 lambda i, text: score(args.task, train[batch[i]], text), args, t,
-                                                 rank, world)}
-            row.update({"es/d_rel": policy.drift(), "perf/iteration_s": time.perf_counter() - t_start})
-            done = t + 1
+            batch = schedule(args.seed, args.schedule_start + t, len(train), args.prompts_per_iter, args.prompt_order)
 
-            # 5. log, evaluate the center θ, checkpoint (rank 0 only: the other ranks hold the identical θ)
+            # 1. member seeds from (--seed, t, n): nothing else is needed to regenerate ε_n anywhere
+            seeds, signs = member_seeds(args.seed, t, args.pop, args.antithetic)
+
+            # 2. evaluate the population: every member on the same prompts (R: (N, P))
+            rewards, correct, perf = evaluate_population(
+                engine, master, [prompts[i] for i in batch], lambda i, text: score(args.task, train[batch[i]], text),
+                seeds, signs, args.sigma, args.max_new_tokens, args.temperature,
+                [derive_seed(args.seed, "sample", t, n) for n in range(args.pop)], rank, world)
+            member_rewards = rewards.mean(1)  # R_n, (N,)
+
+            # 3–4. normalize and update θ. Ctrl-C waits until the iteration is logged as done: a checkpoint holds
+            # whole updates only, and a resume never applies one twice
+            with held_interrupts():
+                t_update = time.perf_counter()
+                stats = es_update(master, seeds, signs, member_rewards, args.alpha, args.awd_lambda)
+                row = {"step": t + 1, "train/reward_mean": float(member_rewards.mean()),
+                       "train/reward_std": float(member_rewards.std()), "train/reward_max": float(member_rewards.max()),
+                       "train/accuracy": float(correct.mean()), **stats, "es/d_rel": master.drift(),
+                       "perf/rollout_s": perf["rollout_s"], "perf/perturb_s": perf["perturb_s"],
+                       "perf/update_s": time.perf_counter() - t_update,
+                       "perf/tokens_per_s": perf["tokens"] / max(perf["rollout_s"], 1e-9),
+                       "perf/iteration_s": time.perf_counter() - t_start}
+                if args.temperature == 0:  # p_i(x) ∈ {0, 1} only for greedy rollouts (module docstring)
+                    row["es/js_succ_bits"], row["es/coverage"] = js_diversity(correct)
+                run.log(row)
+                done = t + 1
+
+            # 5. report, evaluate the center θ, checkpoint (rank 0 only: the other ranks hold the identical θ)
             if rank != 0:
                 continue
-            log_metrics(run, row)
             skipped = skipped + 1 if row["es/skipped"] else 0
             bar.set_postfix(reward=f"{row['train/reward_mean']:.3f}", d_rel=f"{row['es/d_rel']:.1e}",
                             **({"update": "skipped"} if skipped else {}))
-            if t == start:
+            if t == run.start:
                 say(f"iteration {done} took {row['perf/iteration_s']:.0f} s: the remaining {iterations - done} "
                     f"take about {(iterations - done) * row['perf/iteration_s'] / 60:.0f} min")
             if skipped:
-                say(f"iteration {t + 1}: every member scored {row['train/reward_mean']:.3f}: no update")
+                say(f"iteration {done}: every member scored {row['train/reward_mean']:.3f}: no update")
             if skipped == 3:
                 say("3 iterations in a row without an update: " + (
                     "no member earned any reward — try more --max-new-tokens, a larger --sigma or an easier --task "
                     "(arith)" if row["train/reward_max"] == 0 else "all members score alike — try a larger --sigma"))
-            if args.eval_every > 0 and (done % args.eval_every == 0 or done == iterations):
-                log_metrics(run, {"iteration": done, **evaluate(policy, args.task, test, args.max_new_tokens,
-                                                                args.chat_template, f"eval θ_{done}")})
+            if eval_due(done):
+                evaluate_center(done)
             if (args.save_every and done % args.save_every == 0) or done % per_epoch == 0 or done == iterations:
-                saved = save_checkpoint(run, done, policy, {"iteration": done})
+                run.save(done, save, permanent=done % per_epoch == 0 or done == iterations)
     except KeyboardInterrupt:
         bar.close()
-        if rank == 0 and done > start and args.save_every and (saved is None or saved.name != f"step_{done:06d}"):
-            saved = save_checkpoint(run, done, policy, {"iteration": done})
-        if rank == 0 and (run / "metrics.jsonl").exists():
-            plot_curves({"es": run}, run / "curves.png")
-        interrupted(run, done, saved)
+        if rank == 0:
+            plot_curves({"es": run.dir}, run.dir / "curves.png", CURVES + ES_CURVES)
+        run.interrupted(done, save)
     bar.close()
     if rank == 0:
-        plot_curves({"es": run}, run / "curves.png")
-        say(f"curves: {run / 'curves.png'}; weights: {saved}")
-    if args.backend == "vllm":
-        policy.close()  # free its memory for whatever runs next in this process (grpo_es.py's second stage)
+        plot_curves({"es": run.dir}, run.dir / "curves.png", CURVES + ES_CURVES)
+        say(f"curves: {run.dir / 'curves.png'}; weights: {run.save(iterations, save, permanent=True)}")
+    if engine is not policy:
+        engine.close()  # its memory back for whatever this process runs next
     if world > 1 and torch.distributed.is_initialized():  # closing a vLLM engine may already have destroyed it
         torch.distributed.destroy_process_group()
-    return run
+    return run.dir
 
 
 if __name__ == "__main__":

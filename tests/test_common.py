@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import common
-from common import (HFPolicy, Problem, derive_seed, extract_answer, load_task, make_countdown, noise, render_prompt,
-                    schedule, score)
+from common import (HFPolicy, Master, Problem, derive_seed, extract_answer, load_task, make_countdown, noise,
+                    render_prompt, schedule, score)
 
 DATA = Path(__file__).parent / "data"
 
@@ -68,28 +68,38 @@ def test_derive_seed_is_stable_across_processes() -> None:
 # ---------------------------------------------------------------------------------------------------- ES primitives
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_restore_is_bit_exact_after_many_cycles(tiny_model: str, dtype: str) -> None:
-    policy = HFPolicy(tiny_model, dtype, "cpu", es=True)
+    policy = HFPolicy(tiny_model, dtype, "cpu")
+    master = Master(policy.params)
     before = {k: p.clone() for k, p in policy.params.items()}
     for cycle in range(25):
-        policy.perturb(seed=cycle, scale=1e-2)
+        master.perturb(seed=cycle, scale=1e-2)
         # the member is exactly cast(master + σ·ε), computed in fp32 (torch.add with alpha: one rounding)
         name, p = next(iter(policy.params.items()))
-        expected = policy.master[name].add(noise(cycle, name, p.shape, "cpu"), alpha=1e-2).to(p.dtype)
+        expected = master.theta[name].add(noise(cycle, name, p.shape, "cpu"), alpha=1e-2).to(p.dtype)
         assert torch.equal(p, expected)
-        policy.restore()
+        master.restore()
     assert all(torch.equal(before[k], p) for k, p in policy.params.items())
 
 
 def test_a_bf16_checkpoint_keeps_its_fp32_master_where_model_loaders_do_not_look(tiny_model: str,
                                                                                tmp_path: Path) -> None:
     """Loaders that read every top-level *.safetensors (vLLM's default loader does) must find only the model."""
-    policy = HFPolicy(tiny_model, "bfloat16", "cpu", es=True)
-    policy.add_noise([3], [1.0], 1e-4)  # mostly below bf16's resolution: only the fp32 master keeps it
+    policy = HFPolicy(tiny_model, "bfloat16", "cpu")
+    master = Master(policy.params)
+    master.add_noise([3], [1.0], 1e-4)  # mostly below bf16's resolution: only the fp32 master keeps it
     policy.save(tmp_path / "ckpt")
+    master.save(tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors")) == ["model.safetensors"]
-    master = common.load_weights(tmp_path / "ckpt")
-    assert all(torch.equal(master[k], m) for k, m in policy.master.items())
-    assert any(not torch.equal(master[k], m.float()) for k, m in policy.params.items())
+    saved = common.load_weights(tmp_path / "ckpt")
+    assert all(torch.equal(saved[k], m) for k, m in master.theta.items())
+    assert any(not torch.equal(saved[k], m.float()) for k, m in policy.params.items())
+    again = Master(HFPolicy(tiny_model, "bfloat16", "cpu").params)
+    again.load(tmp_path / "ckpt")  # resume: the exact fp32 θ, and the model = cast(θ)
+    assert all(torch.equal(again.theta[k], m) for k, m in master.theta.items())
+    assert all(torch.equal(again.params[k], p) for k, p in policy.params.items())
+    f32 = Master(HFPolicy(tiny_model, "float32", "cpu").params)
+    f32.save(tmp_path / "f32")
+    assert not (tmp_path / "f32").exists()  # fp32 weights are the master: nothing to add
 
 
 def test_add_then_subtract_restore_drifts_in_bf16(tiny_model: str) -> None:
@@ -106,29 +116,32 @@ def test_add_then_subtract_restore_drifts_in_bf16(tiny_model: str) -> None:
 
 
 def test_update_from_regenerated_noise_equals_stored_noise(tiny_model: str) -> None:
-    policy = HFPolicy(tiny_model, "float32", "cpu", es=True)
-    master0 = {k: m.clone() for k, m in policy.master.items()}
+    master = Master(HFPolicy(tiny_model, "float32", "cpu").params)
+    master0 = {k: m.clone() for k, m in master.theta.items()}
     seeds, coefs, scale = [11, 12, 13], [0.5, -1.25, 0.75], 1e-3
     stored = [{k: noise(s, k, m.shape, "cpu") for k, m in master0.items()} for s in seeds]  # what we never keep
-    norm = policy.add_noise(seeds, coefs, scale)
+    norm = master.add_noise(seeds, coefs, scale)
     total_sq = 0.0
     for k, m in master0.items():
         delta = scale * sum(c * eps[k] for c, eps in zip(coefs, stored))
-        assert torch.allclose(policy.master[k], m + delta, rtol=0, atol=1e-8)  # a few fp32 ulps
+        assert torch.allclose(master.theta[k], m + delta, rtol=0, atol=1e-8)  # a few fp32 ulps
         total_sq += float(delta.double().square().sum())
     assert norm == pytest.approx(total_sq**0.5, rel=1e-5)
-    assert all(torch.equal(policy.params[k], policy.master[k]) for k in policy.params)  # model = cast(master)
+    assert all(torch.equal(master.params[k], master.theta[k]) for k in master.params)  # model = cast(master)
 
 
 def test_shrink_to_base_and_drift(tiny_model: str) -> None:
-    policy = HFPolicy(tiny_model, "float32", "cpu", es=True)
-    assert policy.drift() == 0.0
-    policy.add_noise([1], [1.0], 1e-3)
-    d = policy.drift()
-    policy.shrink_to_base(0.5)  # θ₀ + 0.5(θ − θ₀): the drift halves
-    assert policy.drift() == pytest.approx(d / 2, rel=1e-4)
-    policy.shrink_to_base(0.0)
-    assert policy.drift() == 0.0
+    master = Master(HFPolicy(tiny_model, "float32", "cpu").params)
+    assert master.drift() == 0.0
+    master.add_noise([1], [1.0], 1e-3)
+    d = master.drift()
+    by_hand = sum(float((master.theta[k] - master.theta0[k]).double().square().sum()) for k in master.theta) / sum(
+        float(b.double().square().sum()) for b in master.theta0.values())
+    assert d == pytest.approx(by_hand**0.5, rel=1e-5)
+    master.shrink_to_base(0.5)  # θ₀ + 0.5(θ − θ₀): the drift halves
+    assert master.drift() == pytest.approx(d / 2, rel=1e-4)
+    master.shrink_to_base(0.0)
+    assert master.drift() == 0.0
 
 
 def test_generate_greedy_is_deterministic_and_batched_like_single(tiny_model: str) -> None:

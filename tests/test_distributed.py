@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -70,9 +71,12 @@ def test_on_gpus_the_process_group_also_has_gloo_for_cpu_tensors(monkeypatch: py
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: seen.setdefault("device", i))
-    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend: seen.setdefault("backend", backend))
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda backend, timeout: seen.update(backend=backend, timeout=timeout))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
-    assert common.init_distributed() == (1, 2) and seen == {"device": 1, "backend": "cpu:gloo,cuda:nccl"}
+    assert common.init_distributed() == (1, 2)
+    # the timeout is set, and outlasts rank 0's evaluation and checkpoint of a 7B model (the default is 30 min)
+    assert seen == {"device": 1, "backend": "cpu:gloo,cuda:nccl", "timeout": datetime.timedelta(hours=2)}
     monkeypatch.undo()
     cpu_half = seen["backend"].split(",")[0]
     torch.distributed.init_process_group(cpu_half, init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
@@ -94,10 +98,10 @@ def test_a_vllm_es_worker_that_cannot_fit_is_refused_before_the_engine_starts(ti
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (70 * 2**30, 80 * 2**30))
     monkeypatch.setattr(common, "meta_params", lambda path: {"w": torch.empty(1_500_000_000, device="meta")})
     with pytest.raises(SystemExit) as stop:
-        common.VLLMPolicy(tiny_model, "bfloat16", es=True, gpu_memory=None)
-    assert str(stop.value.code) == ("error: the ES worker needs 11.2 GiB (8 bytes per parameter) outside the vLLM "
+        common.check_gpu_memory(tiny_model, torch.bfloat16, 0.92, None)
+    assert str(stop.value.code) == ("error: ES needs 11.2 GiB (8 bytes per parameter) outside the vLLM "
                                     "engine's share, but only 6.4 GiB of the GPU is left at --vllm-memory 0.92: lower "
                                     "--vllm-memory, or pass --master-device cpu")
-    common.check_gpu_memory(tiny_model, torch.bfloat16, 0.7, True, None)  # fits: no exit
+    common.check_gpu_memory(tiny_model, torch.bfloat16, 0.7, None)  # fits: no exit
     with pytest.raises(SystemExit, match=r"needs 2.8 GiB \(2 bytes per parameter\)"):
-        common.check_gpu_memory(tiny_model, torch.bfloat16, 0.97, True, "cpu")
+        common.check_gpu_memory(tiny_model, torch.bfloat16, 0.97, "cpu")

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import common
 import es
-from common import HFPolicy, noise
+from common import HFPolicy, Master, noise
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,33 +62,29 @@ def test_member_seeds_are_derived_and_antithetic_pairs_share_them() -> None:
     assert seeds[0] == seeds[1] != seeds[2] == seeds[3] and list(signs) == [1, -1, 1, -1]
 
 
+def es_master(tiny_model: str, **kwargs) -> Master:
+    return Master(HFPolicy(tiny_model, "float32", "cpu").params, **kwargs)
+
+
 def test_equal_rewards_give_no_update_and_no_nan(tiny_model: str) -> None:
-    policy = HFPolicy(tiny_model, "float32", "cpu", es=True)
-    before = {k: m.clone() for k, m in policy.master.items()}
-    args = es.Args(model=tiny_model, pop=4, sigma=0.01, alpha=0.01, max_new_tokens=4)
-    metrics = es.es_step(policy, ["ab", "cd"], lambda i, text: (0.5, False), args, t=0)
-    assert metrics["es/skipped"] == 1 and metrics["es/update_norm"] == 0.0
-    assert all(math.isfinite(v) for v in metrics.values())
-    assert all(torch.equal(before[k], m) for k, m in policy.master.items())
+    master = es_master(tiny_model)
+    before = {k: m.clone() for k, m in master.theta.items()}
+    seeds, signs = es.member_seeds(0, 0, 4, False)
+    metrics = es.es_update(master, seeds, signs, np.full(4, 0.5), alpha=0.01)
+    assert metrics == {"es/update_norm": 0.0, "es/skipped": 1}
+    assert all(torch.equal(before[k], m) for k, m in master.theta.items())
 
 
 def test_es_update_moves_along_the_rewarded_noise(tiny_model: str) -> None:
     """Two members, rewards (1, 0): z = (+1, −1), so θ moves by α/2·(ε₁ − ε₂) exactly."""
-    policy = HFPolicy(tiny_model, "float32", "cpu", es=True)
-    before = {k: m.clone() for k, m in policy.master.items()}
-    args = es.Args(model=tiny_model, pop=2, sigma=0.01, alpha=0.1, max_new_tokens=2)
-    seen = []
-
-    def reward(i: int, text: str) -> tuple[float, bool]:  # member 0 (first 2 calls) scores 1, member 1 scores 0
-        seen.append(text)
-        return (1.0 if len(seen) <= 2 else 0.0), False
-
-    es.es_step(policy, ["ab", "cd"], reward, args, t=0)
-    (s1, s2), _ = es.member_seeds(args.seed, 0, 2, False)
+    master = es_master(tiny_model)
+    before = {k: m.clone() for k, m in master.theta.items()}
+    (s1, s2), signs = es.member_seeds(0, 0, 2, False)
+    es.es_update(master, [s1, s2], signs, np.array([1.0, 0.0]), alpha=0.1)
     z = (1 - 0.5) / (0.5 + 1e-8)
     for name, m in before.items():
         eps1, eps2 = (noise(s, name, m.shape, "cpu") for s in (s1, s2))
-        assert torch.allclose(policy.master[name], m + 0.1 / 2 * (z * eps1 - z * eps2), rtol=0, atol=1e-8)
+        assert torch.allclose(master.theta[name], m + 0.1 / 2 * (z * eps1 - z * eps2), rtol=0, atol=1e-8)
 
 
 def hand_update(master0: dict, seeds: list[int], coefs: list[float], scale: float) -> dict:
@@ -108,62 +104,82 @@ def member_scorer(rewards: list[float], prompts: int):
     return reward
 
 
-def test_es_step_with_antithetic_pairs_by_hand(tiny_model: str) -> None:
+def test_population_rewards_are_per_member_and_theta_is_restored(tiny_model: str) -> None:
+    """evaluate_population: row n holds member n's rewards over the prompts, each member is θ + sign·σ·ε_n while it
+    generates (its completion differs from θ's), and θ is back bit-exactly afterwards."""
+    policy = HFPolicy(tiny_model, "float32", "cpu")
+    master = Master(policy.params)
+    before = {k: p.clone() for k, p in policy.params.items()}
+    seen = []
+
+    def reward(i: int, text: str) -> tuple[float, bool]:
+        seen.append(text)
+        return float(len(seen)), len(seen) % 2 == 0
+
+    seeds, signs = es.member_seeds(0, 0, 3, False)
+    rewards, correct, perf = es.evaluate_population(policy, master, ["ab", "cd"], reward, seeds, signs, 0.5, 6, 0.0,
+                                                    [0, 0, 0])
+    assert rewards.tolist() == [[1, 2], [3, 4], [5, 6]] and correct.tolist() == [[0, 1], [0, 1], [0, 1]]
+    assert perf["tokens"] > 0 and all(torch.equal(before[k], p) for k, p in policy.params.items())
+    center = [x.text for x in policy.generate(["ab", "cd"], max_new_tokens=6)]
+    assert seen[:2] != center or seen[2:4] != center  # σ = 0.5 moves the members' greedy text
+
+
+def test_es_update_with_antithetic_pairs_by_hand(tiny_model: str) -> None:
     """N = 4 antithetic: members (+ε_a, −ε_a, +ε_b, −ε_b) with rewards (1, 0, 0.5, 0.5). By hand: mean 0.5,
     std = √((0.25 + 0.25 + 0 + 0)/4) = 1/(2√2), z = (√2, −√2, 0, 0); the update is α/4·(√2·ε_a − (−√2)·ε_a)
     = α/4·2√2·ε_a: the pair's two members push along the same +ε_a."""
-    policy = HFPolicy(tiny_model, "float32", "cpu", es=True)
-    master0 = {k: m.clone() for k, m in policy.master.items()}
-    args = es.Args(model=tiny_model, pop=4, sigma=0.01, alpha=0.1, max_new_tokens=2, antithetic=True)
-    es.es_step(policy, ["ab", "cd"], member_scorer([1.0, 0.0, 0.5, 0.5], 2), args, t=0)
-    (a, a2, b, _), _ = es.member_seeds(args.seed, 0, 4, True)
+    master = es_master(tiny_model)
+    master0 = {k: m.clone() for k, m in master.theta.items()}
+    seeds, signs = es.member_seeds(0, 0, 4, True)
+    es.es_update(master, seeds, signs, np.array([1.0, 0.0, 0.5, 0.5]), alpha=0.1)
+    a, a2, b, _ = seeds
     assert a == a2 != b
     z = 0.5 / (math.sqrt(0.125) + 1e-8)
     expected = hand_update(master0, [a], [2 * z], 0.1 / 4)
-    for k, m in policy.master.items():
+    for k, m in master.theta.items():
         torch.testing.assert_close(m, expected[k], rtol=0, atol=2e-7)
 
 
-def test_es_step_with_anchored_weight_decay_by_hand(tiny_model: str) -> None:
+def test_es_update_with_anchored_weight_decay_by_hand(tiny_model: str) -> None:
     """AWD after the update: master = θ₀ + (1 − αλ)(θ' − θ₀), θ' = θ + α/N·Σ z_n ε_n. Here θ starts away from θ₀
     (a first step), so the shrink is visible on both the old drift and the new update."""
-    policy = HFPolicy(tiny_model, "float32", "cpu", es=True)
-    theta0 = {k: m.clone() for k, m in policy.master.items()}
-    policy.add_noise([99], [1.0], 0.02)  # θ = θ₀ + 0.02·ε_99
-    theta = {k: m.clone() for k, m in policy.master.items()}
-    args = es.Args(model=tiny_model, pop=2, sigma=0.01, alpha=0.1, max_new_tokens=2, awd_lambda=2.0)
-    es.es_step(policy, ["ab"], member_scorer([1.0, 0.0], 1), args, t=3)
-    (s1, s2), _ = es.member_seeds(args.seed, 3, 2, False)
+    master = es_master(tiny_model)
+    theta0 = {k: m.clone() for k, m in master.theta.items()}
+    master.add_noise([99], [1.0], 0.02)  # θ = θ₀ + 0.02·ε_99
+    theta = {k: m.clone() for k, m in master.theta.items()}
+    (s1, s2), signs = es.member_seeds(0, 3, 2, False)
+    es.es_update(master, [s1, s2], signs, np.array([1.0, 0.0]), alpha=0.1, awd_lambda=2.0)
     z = 0.5 / (0.5 + 1e-8)
     stepped = hand_update(theta, [s1, s2], [z, -z], 0.1 / 2)
-    for k, m in policy.master.items():
+    for k, m in master.theta.items():
         expected = theta0[k] + (1 - 0.1 * 2.0) * (stepped[k] - theta0[k])
         torch.testing.assert_close(m, expected, rtol=0, atol=2e-7)
 
 
 def test_a_nan_reward_never_reaches_the_master(tiny_model: str) -> None:
-    policy = HFPolicy(tiny_model, "float32", "cpu", es=True)
-    before = {k: m.clone() for k, m in policy.master.items()}
-    args = es.Args(model=tiny_model, pop=2, sigma=0.01, alpha=0.1, max_new_tokens=2)
+    master = es_master(tiny_model)
+    before = {k: m.clone() for k, m in master.theta.items()}
+    seeds, signs = es.member_seeds(0, 0, 2, False)
     with pytest.raises(SystemExit, match="reward is not finite"):
-        es.es_step(policy, ["ab"], member_scorer([1.0, float("nan")], 1), args, t=0)
-    assert all(torch.equal(before[k], m) for k, m in policy.master.items())
+        es.es_update(master, seeds, signs, np.array([1.0, float("nan")]), alpha=0.1)
+    assert all(torch.equal(before[k], m) for k, m in master.theta.items())
 
 
 def test_master_on_cpu_gives_the_same_weights(tiny_model: str) -> None:
     """--master-device: noise is drawn on the model's device either way, so the placement of the master changes no
     number (on a GPU machine: master on the CPU vs on the GPU; here both are the CPU)."""
-    a, b = HFPolicy(tiny_model, "float32", "cpu", es=True), HFPolicy(tiny_model, "float32", "cpu", es=True,
-                                                                    master_device="cpu")
-    for policy in (a, b):
-        policy.perturb(5, 0.01)
-        policy.add_noise([1, 2], [0.3, -0.7], 0.1)
-    assert all(torch.equal(a.master[k], b.master[k]) for k in a.master)
+    a, b = es_master(tiny_model), es_master(tiny_model, device="cpu")
+    for master in (a, b):
+        master.perturb(5, 0.01)
+        master.add_noise([1, 2], [0.3, -0.7], 0.1)
+    assert all(torch.equal(a.theta[k], b.theta[k]) for k in a.theta)
 
 
 def test_es_learns_a_toy_reward(tiny_model: str) -> None:
     """The tiny random model must learn to emit digits: center reward clearly up after 30 iterations."""
-    policy = HFPolicy(tiny_model, "float32", "cpu", es=True)
+    policy = HFPolicy(tiny_model, "float32", "cpu")
+    master = Master(policy.params)
     prompts = ["abc", "hello", "12+3", "xyz!"]
 
     def digits(i: int, text: str) -> tuple[float, bool]:
@@ -173,10 +189,11 @@ def test_es_learns_a_toy_reward(tiny_model: str) -> None:
     def center_reward() -> float:
         return float(np.mean([digits(0, x.text)[0] for x in policy.generate(prompts, max_new_tokens=8)]))
 
-    args = es.Args(model=tiny_model, pop=8, sigma=0.01, alpha=0.03, max_new_tokens=8, seed=0)
     start = center_reward()
     for t in range(30):
-        es.es_step(policy, prompts, digits, args, t)
+        seeds, signs = es.member_seeds(0, t, 8, False)
+        rewards, _, _ = es.evaluate_population(policy, master, prompts, digits, seeds, signs, 0.01, 8, 0.0, [0] * 8)
+        es.es_update(master, seeds, signs, rewards.mean(1), alpha=0.03)
     assert center_reward() >= start + 0.25, (start, center_reward())
 
 
@@ -191,7 +208,7 @@ def test_es_script_smoke(tiny_model: str, tmp_path: Path) -> None:
                         "--save-every", "2", "--out-dir", str(run))
     rows = read_metrics(run)
     train, evals = [r for r in rows if "train/reward_mean" in r], [r for r in rows if "eval/accuracy" in r]
-    assert [r["iteration"] for r in train] == [1, 2, 3] and [r["iteration"] for r in evals] == [0, 2, 3]
+    assert [r["step"] for r in train] == [1, 2, 3] and [r["step"] for r in evals] == [0, 2, 3]
     for key in ["train/reward_mean", "es/js_succ_bits", "es/coverage", "es/d_rel", "perf/rollout_s"]:
         assert all(math.isfinite(r[key]) for r in train), key
     info = json.loads((run / "args.json").read_text())
@@ -207,21 +224,6 @@ def test_es_script_smoke(tiny_model: str, tmp_path: Path) -> None:
     # a second run into the same directory is refused instead of mixing two runs' logs
     again = run_script("es.py", "--model", tiny_model, "--out-dir", str(run), check=False)
     assert again.returncode != 0 and "already holds a run" in again.stderr
-
-
-def test_resume_ends_with_exactly_the_uninterrupted_weights(tiny_model: str, tmp_path: Path) -> None:
-    flags = ["--model", tiny_model, *TINY_FLAGS, "--eval-every", "2", "--save-every", "2"]
-    run_script("es.py", *flags, "--iterations", "4", "--out-dir", str(tmp_path / "full"))
-    # "crash" after iteration 3 was logged but before its checkpoint: keep only step 2
-    run_script("es.py", *flags, "--iterations", "3", "--out-dir", str(tmp_path / "cut"))
-    import shutil
-    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000003")
-    run_script("es.py", "--resume", str(tmp_path / "cut"), "--iterations", "4")
-    a = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "checkpoints" / "step_000004").state_dict()
-    b = AutoModelForCausalLM.from_pretrained(tmp_path / "cut" / "checkpoints" / "step_000004").state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]  # noqa: E731
-    assert strip(read_metrics(tmp_path / "full")) == strip(read_metrics(tmp_path / "cut"))
 
 
 def test_resume_takes_every_flag_passed_even_when_it_is_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -245,7 +247,8 @@ BAD_FLAGS = [(["--pop", "0"], "--pop must be ≥ 2"), (["--pop", "-3"], "--pop m
              (["--eval-prompts", "0"], "--eval-prompts must be ≥ 1"), (["--max-new-tokens", "0"], "--max-new-tokens"),
              (["--temperature", "-0.5"], "--temperature must be ≥ 0"), (["--vllm-memory", "1.5"], "--vllm-memory"),
              (["--pop", "5", "--antithetic"], "--antithetic needs an even --pop"),
-             (["--awd-lambda", "1e9"], "--awd-lambda must be in"), (["--epochs", "0"], "--epochs must be ≥ 1")]
+             (["--awd-lambda", "1e9"], "--awd-lambda must be in"), (["--epochs", "0"], "--epochs must be ≥ 1"),
+             (["--keep-last", "0"], "--keep-last must be ≥ 1"), (["--schedule-start", "-1"], "--schedule-start")]
 
 
 @pytest.mark.parametrize("flags,message", BAD_FLAGS)
@@ -299,15 +302,15 @@ def test_ctrl_c_saves_the_last_iteration_and_resumes(tiny_model: str, tmp_path: 
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
-    done = max(r["iteration"] for r in read_metrics(run))
+    done = max(r["step"] for r in read_metrics(run))
     last = stderr.strip().splitlines()[-1]
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
-    assert last == (f"interrupted after update {done}; last checkpoint {run / 'checkpoints' / f'step_{done:06d}'}; "
+    assert last == (f"interrupted after update {done}; checkpoint {run / 'checkpoints' / f'step_{done:06d}'}; "
                     f"continue with --resume {run}")
     AutoModelForCausalLM.from_pretrained(run / "checkpoints" / f"step_{done:06d}")
     assert not list((run / "checkpoints").glob(".tmp*")) and (run / "curves.png").is_file()
     run_script("es.py", "--resume", str(run), "--iterations", str(done + 1))
-    assert max(r["iteration"] for r in read_metrics(run)) == done + 1
+    assert max(r["step"] for r in read_metrics(run)) == done + 1
 
 
 def test_es_on_the_embedded_smollm2(tmp_path: Path) -> None:
@@ -316,6 +319,30 @@ def test_es_on_the_embedded_smollm2(tmp_path: Path) -> None:
     run_script("es.py", "--pop", "2", "--prompts-per-iter", "2", "--max-new-tokens", "16", "--iterations", "1",
                "--eval-every", "0", "--out-dir", str(run), threads=os.cpu_count() or 1)
     row = read_metrics(run)[-1]
-    assert row["iteration"] == 1 and 0 <= row["train/reward_mean"] <= 1.1 and row["perf/tokens_per_s"] > 0
+    assert row["step"] == 1 and 0 <= row["train/reward_mean"] <= 1.1 and row["perf/tokens_per_s"] > 0
     model = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000001")
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
+
+
+def test_a_bad_master_device_is_refused_before_loading(tmp_path: Path) -> None:
+    """--master-device was handed to torch only once the model was loaded; now the CLI refuses it."""
+    result = run_script("es.py", "--master-device", "gpu0", "--out-dir", str(tmp_path / "run"), check=False)
+    assert result.returncode != 0 and "--master-device" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("script", ["es", "grpo"])
+def test_the_prompt_schedule_starts_at_schedule_start(script: str, tiny_model: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """grpo_es.py's second stage sets --schedule-start to continue the first stage's prompt order: the script must
+    ask the schedule for updates schedule_start, schedule_start + 1, …"""
+    import grpo
+
+    module = {"es": es, "grpo": grpo}[script]
+    asked, schedule = [], module.schedule
+    monkeypatch.setattr(module, "schedule", lambda seed, t, *a: asked.append(t) or schedule(seed, t, *a))
+    flags = dict(pop=2, prompts_per_iter=2) if script == "es" else dict(group_size=2, prompts_per_step=2)
+    length = {"iterations": 2} if script == "es" else {"steps": 2}
+    module.main(module.Args(model=tiny_model, max_new_tokens=2, eval_every=0, schedule_start=5,
+                            out_dir=str(tmp_path / "run"), **flags, **length))
+    assert asked == [5, 6]

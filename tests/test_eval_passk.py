@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -324,3 +325,23 @@ def test_clear_errors(tiny_model: str, tiny_qwen: str, tmp_path: Path):
     assert "the name 'x' is taken" in error(models=(tiny_model,), heldout=("x:gsm8k", "x:math500"))
     assert "--reference 'b' is not a label" in error(models=(f"a={tiny_model}",), reference="b")
     assert "--resamples must be ≥ 1" in error(models=(tiny_model,), resamples=0)
+
+
+def test_a_bad_heldout_spec_stops_before_any_model_is_resolved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """--heldout was parsed after every model had been resolved and loaded (minutes for a large one)."""
+    import eval_passk
+
+    monkeypatch.setattr(eval_passk, "resolve_model", lambda path: pytest.fail("a model was resolved first"))
+    with pytest.raises(SystemExit, match="task must be one of"):
+        main(Args(models=("some/model",), heldout=("aime",), out_dir=str(tmp_path / "run")))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("script", ["eval_passk.py", "grpo.py"])
+def test_one_process_scripts_refuse_torchrun(script: str, tmp_path: Path) -> None:
+    """Under torchrun every rank of these one-process scripts would take GPU 0 and write the same run directory."""
+    out = subprocess.run([sys.executable, script, "--out-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "WORLD_SIZE": "2"})
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+        f"error: {script} runs in one process (WORLD_SIZE is 2): start it with python, not torchrun")
+    assert not (tmp_path / "run").exists()

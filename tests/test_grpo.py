@@ -110,6 +110,15 @@ def test_k3_kl_by_hand_for_a_policy_other_than_the_reference() -> None:
     torch.testing.assert_close(loss, -1 + 0.1 * expected)
 
 
+def hyper(**changes: object) -> dict:
+    """grpo.update's hyperparameters: grpo.py's defaults (fp32 compute), with `changes`."""
+    a = grpo.Args()
+    return {**dict(scale_rewards=a.scale_rewards, eps_low=a.eps_low, eps_high=a.eps_high, beta=a.beta,
+                   loss_type=a.loss_type, max_new_tokens=a.max_new_tokens, num_iterations=a.num_iterations,
+                   temperature=a.temperature, max_grad_norm=a.max_grad_norm, grad_accum=a.grad_accum,
+                   dtype=torch.float32), **changes}
+
+
 def test_mu2_step_by_hand_with_asymmetric_clipping(monkeypatch: pytest.MonkeyPatch) -> None:
     """μ = 2 on one group of two one-token completions, rewards (1, 0), lr 0.3, ε_low 0.2, ε_high 0.28.
 
@@ -123,9 +132,9 @@ def test_mu2_step_by_hand_with_asymmetric_clipping(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(grpo, "completion_logprobs", lambda m, ids, am, c, t: (m.w[:, None] + 0, torch.zeros(2, 1)))
     policy = SimpleNamespace(model=model, device="cpu", tokenizer=SimpleNamespace(pad_token_id=0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.3, weight_decay=0.0)
-    args = grpo.Args(group_size=2, num_iterations=2, lr=0.3, eps_low=0.2, eps_high=0.28, max_grad_norm=0.0)
     samples = [Sample(0, "a", [5]), Sample(0, "b", [6])]
-    stats = grpo.update(policy, optimizer, None, [[1, 2]], samples, np.array([[1.0, 0.0]]), args)
+    stats = grpo.update(policy, optimizer, None, [[1, 2]], samples, np.array([[1.0, 0.0]]), **hyper(
+        num_iterations=2, eps_low=0.2, eps_high=0.28, max_grad_norm=0.0))
 
     a = 0.5 / (math.sqrt(0.5) + 1e-4)  # group advantage, unbiased std
     loss2 = (-min(math.exp(0.3), 1.28) * a + -min(-math.exp(-0.3) * a, -0.8 * a)) / 2  # mean over 2 sequences
@@ -211,17 +220,17 @@ def test_mu1_gradient_is_policy_gradient(tiny_model: str, loss_type: str) -> Non
 
 # ---- GRPO must learn a toy reward on the tiny model
 def test_grpo_learns_toy_reward(tiny_model: str) -> None:
-    args = grpo.Args(model=tiny_model, group_size=8, prompts_per_step=4, max_new_tokens=8, lr=3e-3, dtype="float32")
     policy = HFPolicy(tiny_model, "float32", device="cpu")
     policy.model.requires_grad_(True)
-    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=3e-3, weight_decay=0.0)
     prompts = ["ab", "cd", "ef", "gh"]
     means = []
     for step in range(25):
-        samples = grpo.rollout(policy, prompts, args, step)
+        samples = policy.generate(prompts, n=8, max_new_tokens=8, temperature=1.0, seed=step)
         # toy reward: the fraction of digits in the completion (~10% for a random char-level model)
         rewards = np.array([sum(c.isdigit() for c in x.text) / max(len(x.text), 1) for x in samples])
-        grpo.update(policy, optimizer, None, policy.encode(prompts), samples, rewards.reshape(4, 8), args)
+        grpo.update(policy, optimizer, None, policy.encode(prompts), samples, rewards.reshape(4, 8),
+                    **hyper(max_new_tokens=8))
         means.append(rewards.mean())
     assert np.mean(means[-5:]) > np.mean(means[:5]) + 0.3, np.round(means, 2)
 

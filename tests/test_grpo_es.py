@@ -54,10 +54,36 @@ def test_smoke_both_orders(tiny_model: str, tmp_path: Path, order: str) -> None:
     stage2_args = json.loads((run / f"stage2-{second}" / "args.json").read_text())["args"]
     assert stage2_args["model"] == str(run / f"stage1-{first}" / "checkpoints" / "step_000001")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    kinds = [(r["stage"], r["algo"], r["update"], "eval" if "eval/accuracy" in r else "train") for r in rows]
+    kinds = [(r["stage"], r["algo"], r["step"], "eval" if "eval/accuracy" in r else "train") for r in rows]
     assert kinds == [(1, first, 0, "eval"), (1, first, 1, "train"), (1, first, 1, "eval"), (2, second, 1, "eval"),
                      (2, second, 2, "train"), (2, second, 2, "eval"), (2, second, 3, "train"), (2, second, 3, "eval")]
     assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, (int, float)))
     AutoModelForCausalLM.from_pretrained(run / "final")
     last = run / f"stage2-{second}" / "checkpoints" / "step_000002" / "model.safetensors"
     assert (run / "final" / "model.safetensors").read_bytes() == last.read_bytes()
+
+
+
+def test_each_stage_runs_in_its_own_process_and_the_second_continues_the_prompt_order(tiny_model: str,
+                                                                                      tmp_path: Path) -> None:
+    """A CUDA vLLM engine does not give its memory back when closed, so stage 2 must not run in stage 1's process
+    (each run dir's args.json names the process that wrote it). Stage 2's prompt schedule starts at update ⌊T/2⌋,
+    where stage 1's ended, instead of replaying stage 1's batches."""
+    import os
+
+    import common
+    import es
+    import grpo
+    import grpo_es
+
+    run = grpo_es.main(grpo_es.Args(model=tiny_model, out_dir=str(tmp_path / "run"), order="grpo-es", total_updates=4,
+                                    max_new_tokens=4, eval_every=0, eval_prompts=2, task="arith",
+                                    grpo=grpo.Args(group_size=2, prompts_per_step=3),
+                                    es=es.Args(pop=2, prompts_per_iter=3)))
+    info = {k: json.loads((run / f"stage{k}-{a}" / "args.json").read_text()) for k, a in ((1, "grpo"), (2, "es"))}
+    assert len({info[1]["pid"], info[2]["pid"], os.getpid()}) == 3
+    assert (info[1]["args"]["schedule_start"], info[2]["args"]["schedule_start"]) == (0, 2)
+    n = len(common.load_task("arith", "train"))
+    seen = [common.schedule(0, t, n, 3, "epoch").tolist() for t in range(2)]  # stage 1's two batches
+    after = [common.schedule(0, 2 + t, n, 3, "epoch").tolist() for t in range(2)]  # stage 2's
+    assert not set(sum(seen, [])) & set(sum(after, []))  # one epoch's shuffle: no prompt seen twice

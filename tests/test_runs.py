@@ -1,0 +1,235 @@
+"""Long runs: Ctrl-C or a kill at any instant (inside an update too), resume twice, resume with changed flags, a run
+that saved nothing yet, checkpoint pruning. The end state must equal an uninterrupted run, bit for bit on CPU, and
+metrics.jsonl must read as one run (no repeated or missing rows)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A stand-in policy: es.py (or grpo.py) with a reward that differs between members (a hash of the completion), so
+# that every iteration really updates θ, and with SIGINT sent to itself inside the update of the iterations listed
+# in $INTERRUPT_IN_UPDATE (the update holds Ctrl-C back until it is done: the signal arrives mid-update).
+RUNNER = """
+import os, signal, sys, zlib
+sys.path.insert(0, {root!r})
+import common, {script}
+{script}.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)
+targets = {{int(x) for x in os.environ.get("INTERRUPT_IN_UPDATE", "").split(",") if x}}
+if {script!r} == "es":
+    owner = getattr(common, "Master", None) or common.HFPolicy  # the class that applies the ES update
+    original = owner.add_noise
+    def add_noise(self, seeds, *args, **kwargs):
+        pop = len(seeds)
+        for t in targets:  # is this the update of iteration t (1-based)? its member seeds say so
+            if list(seeds) == list(es.member_seeds(0, t - 1, pop, False)[0]):
+                os.kill(os.getpid(), signal.SIGINT)
+        return original(self, seeds, *args, **kwargs)
+    owner.add_noise = add_noise
+else:  # grpo: the step is known from the schedule call that opens it
+    schedule, update, current = grpo.schedule, grpo.update, []
+    grpo.schedule = lambda seed, t, *args: current.append(t) or schedule(seed, t, *args)
+    def update_with_interrupt(*args, **kwargs):
+        if current[-1] + 1 in targets:
+            os.kill(os.getpid(), signal.SIGINT)
+        return update(*args, **kwargs)
+    grpo.update = update_with_interrupt
+{script}.main(common.cli({script}.Args))
+"""
+
+
+def runner(tmp_path: Path, script: str = "es") -> Path:
+    path = tmp_path / f"run_{script}.py"
+    path.write_text(RUNNER.format(root=str(ROOT), script=script))
+    return path
+
+
+def run(tmp_path: Path, *argv: str, interrupt: str = "", script: str = "es") -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "INTERRUPT_IN_UPDATE": interrupt}
+    return subprocess.run([sys.executable, str(runner(tmp_path, script)), *argv], cwd=ROOT, capture_output=True,
+                          text=True, env=env, timeout=600,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # see test_es's Ctrl-C
+
+
+def ok(result: subprocess.CompletedProcess, code: int = 0) -> subprocess.CompletedProcess:
+    assert result.returncode == code, result.stderr[-3000:]
+    return result
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_of(row: dict) -> int:
+    return row.get("step", row.get("iteration"))
+
+
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
+
+
+def assert_same_run(a: Path, b: Path, step: int) -> None:
+    wa, wb = weights(a, step), weights(b, step)
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
+    assert rows(a) == rows(b)
+
+
+ES_FLAGS = ["--pop", "4", "--prompts-per-iter", "3", "--max-new-tokens", "6", "--eval-prompts", "2", "--sigma", "0.1",
+            "--alpha", "0.01", "--batch-size", "16", "--eval-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """es.py for 6 iterations in one go, --save-every 0 (the [ES-LLM] protocol's setting)."""
+    tmp = tmp_path_factory.mktemp("whole")
+    ok(run(tmp, "--model", tiny_model, *ES_FLAGS, "--iterations", "6", "--save-every", "0", "--out-dir", str(tmp / "r")))
+    assert weights(tmp / "r", 6)  # the final checkpoint
+    start = load_file(str(Path(tiny_model) / "model.safetensors"))
+    assert any(not torch.equal(v, start[k]) for k, v in weights(tmp / "r", 6).items())  # updates were applied
+    return tmp / "r"
+
+
+def test_ctrl_c_inside_an_update_then_two_resumes_equal_the_uninterrupted_run(tiny_model: str, tmp_path: Path,
+                                                                              uninterrupted: Path) -> None:
+    """--save-every 0, SIGINT inside update 3, resume, SIGINT inside update 5, resume to the end: the weights are
+    bit-equal to the uninterrupted run's and metrics.jsonl has each row once. (3dd9d52 saved step 2 holding 3
+    updates, and with --save-every 0 saved nothing at all.)"""
+    out = tmp_path / "r"
+    first = ok(run(tmp_path, "--model", tiny_model, *ES_FLAGS, "--iterations", "6", "--save-every", "0",
+                   "--out-dir", str(out), interrupt="3"), 130)
+    assert first.stderr.strip().splitlines()[-1] == (
+        f"interrupted after update 3; checkpoint {out / 'checkpoints' / 'step_000003'}; continue with --resume {out}")
+    ok(run(tmp_path, "--resume", str(out), interrupt="5"), 130)
+    assert (out / "checkpoints" / "step_000005").is_dir()
+    ok(run(tmp_path, "--resume", str(out)))
+    assert_same_run(uninterrupted, out, 6)
+
+
+def test_a_kill_at_any_instant_then_resume_equals_the_uninterrupted_run(tiny_model: str, tmp_path: Path,
+                                                                        uninterrupted: Path) -> None:
+    """SIGKILL (no handler runs) after the 3rd, then the 6th row of metrics.jsonl, with --save-every 1: whatever the
+    kill left (a row logged but not its checkpoint, a half-written checkpoint), resuming ends where the uninterrupted
+    run ends."""
+    out = tmp_path / "r"
+    argv = ["--model", tiny_model, *ES_FLAGS, "--iterations", "6", "--save-every", "1", "--out-dir", str(out)]
+    for kill_after_rows in (3, 6):
+        proc = subprocess.Popen([sys.executable, str(runner(tmp_path)), *(argv if kill_after_rows == 3 else
+                                                                         ["--resume", str(out)])],
+                                cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while not ((out / "metrics.jsonl").exists()
+                   and len((out / "metrics.jsonl").read_text().splitlines()) >= kill_after_rows):
+            assert time.time() < deadline and proc.poll() is None, "the run did not get there"
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+    ok(run(tmp_path, "--resume", str(out)))
+    assert_same_run(uninterrupted, out, 6)
+
+
+def test_ctrl_c_before_anything_was_saved_then_resume_repeats_no_row(tiny_model: str, tmp_path: Path,
+                                                                     uninterrupted: Path) -> None:
+    """Ctrl-C inside the first update with --save-every 0: the finished iteration is saved anyway (seconds of writing
+    against hours of lost iterations); and a run directory with no checkpoint at all (a kill before the first update
+    finished) resumes from the start without repeating its rows (3dd9d52 logged [0, 1, 0, 1, 2, …])."""
+    out = tmp_path / "r"
+    ok(run(tmp_path, "--model", tiny_model, *ES_FLAGS, "--iterations", "6", "--save-every", "0", "--out-dir",
+           str(out), interrupt="1"), 130)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
+    # now pretend the process was killed before that checkpoint was written: nothing saved, rows logged
+    import shutil
+    shutil.rmtree(out / "checkpoints")
+    assert [step_of(r) for r in rows(out)] == [0, 1]
+    ok(run(tmp_path, "--resume", str(out)))
+    assert_same_run(uninterrupted, out, 6)
+
+
+def test_a_second_resume_keeps_the_first_resumes_flags(tiny_model: str, tmp_path: Path) -> None:
+    """Run to 4; `--resume --iterations 8`, Ctrl-C inside update 6; `--resume`: the run goes on to 8 (3dd9d52 read
+    the first args.json only and said "es: -2 iterations")."""
+    out = tmp_path / "r"
+    ok(run(tmp_path, "--model", tiny_model, *ES_FLAGS, "--iterations", "4", "--save-every", "0", "--out-dir", str(out)))
+    ok(run(tmp_path, "--resume", str(out), "--iterations", "8", interrupt="6"), 130)
+    last = ok(run(tmp_path, "--resume", str(out)))
+    assert "es: 2 iterations" in last.stdout
+    assert [step_of(r) for r in rows(out) if "train/reward_mean" in r] == list(range(1, 9))
+    assert (out / "checkpoints" / "step_000008").is_dir()
+
+
+def test_resume_into_another_out_dir_is_refused(tiny_model: str, tmp_path: Path) -> None:
+    """`--resume A --out-dir B` looked for checkpoints in B and silently started over with A's flags."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    ok(run(tmp_path, "--model", tiny_model, *ES_FLAGS, "--iterations", "1", "--eval-every", "0", "--out-dir", str(a)))
+    result = run(tmp_path, "--resume", str(a), "--out-dir", str(b))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: --resume {a} continues the run in {a}")
+    assert not b.exists()
+
+
+def test_old_checkpoints_are_pruned_but_epoch_ends_and_the_final_one_stay(tiny_model: str, tmp_path: Path) -> None:
+    """--save-every 1 over 2 epochs of 3 iterations (9 training problems, 3 per iteration), keeping the newest 2:
+    epoch ends (3, 6) and the final one are never pruned. The expected disk use is said at the start."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n"
+                                                     for i in range(9)))
+    out = tmp_path / "r"
+    result = ok(run(tmp_path, "--model", tiny_model, *ES_FLAGS, "--task", "gsm8k", "--data", str(data), "--epochs",
+                    "3", "--save-every", "1", "--keep-last", "2", "--out-dir", str(out)))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_000003", "step_000006", "step_000007", "step_000008", "step_000009"]
+    # the tiny Llama: embedding 101×64 + 2 layers × (4096 + 2·2048 + 4096 + 3·8192 + 2·64) + 64 = 80,512 parameters,
+    # fp32: 322,048 bytes; 3 epoch ends (the last is the final one) + the newest 2
+    assert "checkpoints: 322.0 kB each, at most 5 kept (1.6 MB)" in result.stdout
+
+
+GRPO_FLAGS = ["--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "6", "--eval-prompts", "2",
+              "--lr", "1e-3", "--batch-size", "16", "--eval-every", "2", "--save-every", "0"]
+
+
+def test_grpo_ctrl_c_inside_an_update_and_two_resumes_equal_the_uninterrupted_run(tiny_model: str,
+                                                                                   tmp_path: Path) -> None:
+    """grpo.py: SIGINT inside update 2 and, after a resume, inside update 3; the weights and AdamW state saved at the
+    end equal an uninterrupted run's, and metrics.jsonl has each row once."""
+    whole, out = tmp_path / "whole", tmp_path / "r"
+    argv = ["--model", tiny_model, *GRPO_FLAGS, "--steps", "4"]
+    ok(run(tmp_path, *argv, "--out-dir", str(whole), script="grpo"))
+    first = ok(run(tmp_path, *argv, "--out-dir", str(out), interrupt="2", script="grpo"), 130)
+    assert first.stderr.strip().splitlines()[-1].startswith("interrupted after update 2; checkpoint ")
+    ok(run(tmp_path, "--resume", str(out), interrupt="3", script="grpo"), 130)
+    ok(run(tmp_path, "--resume", str(out), script="grpo"))
+    assert_same_run(whole, out, 4)
+    a, b = (torch.load(d / "checkpoints" / "step_000004" / "optimizer.pt") for d in (whole, out))
+    assert all(torch.equal(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"]) for i in a["state"])
+
+
+def test_sigterm_ends_a_run_like_ctrl_c(tiny_model: str, tmp_path: Path) -> None:
+    """`kill PID` (a scheduler's preemption): the last finished iteration is saved, exit status 130."""
+    out = tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, str(runner(tmp_path)), "--model", tiny_model, *ES_FLAGS, "--iterations",
+                             "500", "--save-every", "0", "--eval-every", "0", "--out-dir", str(out)], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert time.time() < deadline and proc.poll() is None, "the run did not start"
+        time.sleep(0.05)
+    proc.terminate()
+    _, stderr = proc.communicate(timeout=120)
+    done = max(step_of(r) for r in rows(out))
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    assert (out / "checkpoints" / f"step_{done:06d}" / "state.json").is_file()
