@@ -227,7 +227,10 @@ ES_CURVES = (("es/js_succ_bits", "ES: JS diversity (bits)"),)
 """es.py's panel in curves.png, beside common.CURVES."""
 
 
-def main(args: Args) -> Path:
+def main(args: Args, evaluate: Callable[..., tuple[np.ndarray, np.ndarray, dict[str, float]]] = evaluate_population,
+         update: Callable[..., dict[str, float]] = es_update) -> Path:
+    """Train. `evaluate` and `update` are stages 2 and 4, with the signatures of `evaluate_population` and `es_update`:
+    es_lowrank.py runs this same loop with its own."""
     check_args(args)
     rank, world = init_distributed()  # every process holds θ and derives the same seeds; rank 0 logs and saves
     train = load_task(args.task, "train", args.data)[: args.train_size]
@@ -283,7 +286,7 @@ def main(args: Args) -> Path:
             seeds, signs = member_seeds(args.seed, t, args.pop, args.antithetic)
 
             # 2. evaluate the population: every member on the same prompts (R: (N, P))
-            rewards, correct, perf = evaluate_population(
+            rewards, correct, perf = evaluate(
                 engine, master, [prompts[i] for i in batch], lambda i, text: score(args.task, train[batch[i]], text),
                 seeds, signs, args.sigma, args.max_new_tokens, args.temperature,
                 [derive_seed(args.seed, "sample", t, n) for n in range(args.pop)], rank, world)
@@ -293,7 +296,7 @@ def main(args: Args) -> Path:
             # whole updates only, and a resume never applies one twice
             with held_interrupts():
                 t_update = time.perf_counter()
-                stats = es_update(master, seeds, signs, member_rewards, args.alpha, args.awd_lambda)
+                stats = update(master, seeds, signs, member_rewards, args.alpha, args.awd_lambda)
                 row = {"step": t + 1, "train/reward_mean": float(member_rewards.mean()),
                        "train/reward_std": float(member_rewards.std()), "train/reward_max": float(member_rewards.max()),
                        "train/accuracy": float(correct.mean()), **stats, "es/d_rel": master.drift(),

@@ -1,7 +1,8 @@
 """bench/es_iteration.py — where one ES iteration's time goes: rollout / perturb / restore / update.
 
-Runs `es.es_step` itself (the real code path) once per model and backend, with the policy's methods wrapped by
-timers: `generate` (rollout), `perturb` (θ = cast(master + σ·ε_n)), `restore` (θ = cast(master)) and `add_noise`
+Runs es.py's own `evaluate_population` and `es_update` once per model and backend, with the methods wrapped by
+timers: `generate` (rollout), `Master.perturb` (θ = cast(master + σ·ε_n), + the engine load on vLLM),
+`Master.restore` (θ = cast(master)) and `Master.add_noise`
 (the update θ ← θ + α/N·Σ Z_n ε_n, regenerating N noises; its internal restore is counted as update). Rollouts are
 greedy and fixed-length (EOS disabled), so every member generates exactly P × max_new_tokens tokens. The rewards
 are synthetic (member n gets reward n) so that the update always runs: this measures time, not learning.
@@ -23,7 +24,7 @@ GPU (see bench/gpu.sh):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
@@ -85,11 +86,12 @@ def timed(fn: Callable, key: str, seconds: dict[str, float], device: str,
     return inner
 
 
-def bench_one(policy: Any, prompts: list[str], args: Args, device: str) -> dict[str, float]:
-    """One es_step with per-primitive timers. Returns seconds per phase and the token count."""
+def bench_one(engine: Any, master: common.Master, prompts: list[str], args: Args, device: str) -> dict[str, float]:
+    """One iteration as es.py runs it (evaluate_population, then es_update) with per-primitive timers. Returns
+    seconds per phase (a vLLM engine's weight load counts as perturb) and the token count."""
     seconds: dict[str, float] = {}
     in_update = {"on": False}
-    add_noise = policy.add_noise
+    add_noise = master.add_noise
 
     def update(*a: Any, **k: Any) -> float:
         in_update["on"] = True
@@ -98,30 +100,28 @@ def bench_one(policy: Any, prompts: list[str], args: Args, device: str) -> dict[
         finally:
             in_update["on"] = False
 
-    policy.generate = timed(policy.generate, "rollout", seconds, device)
-    policy.perturb = timed(policy.perturb, "perturb", seconds, device)
-    policy.restore = timed(policy.restore, "restore", seconds, device, skip=lambda: in_update["on"])
-    policy.add_noise = timed(update, "update", seconds, device)
-    calls = {"n": 0}
+    engine.generate = timed(engine.generate, "rollout", seconds, device)
+    master.perturb = timed(master.perturb, "perturb", seconds, device)
+    master.restore = timed(master.restore, "restore", seconds, device, skip=lambda: in_update["on"])
+    master.add_noise = timed(update, "update", seconds, device)
+    sync_weights = es.sync_weights
+    es.sync_weights = timed(sync_weights, "perturb", seconds, device)  # the engine load of each member
+
+    calls = [0]
 
     def reward_fn(i: int, text: str) -> tuple[float, bool]:  # member n → reward n: std > 0, the update always runs
-        calls["n"] += 1
-        return float((calls["n"] - 1) // len(prompts)), False
+        calls[0] += 1
+        return float((calls[0] - 1) // len(prompts)), False
 
-    es_args = replace(es.Args(), pop=args.pop, sigma=args.sigma, alpha=args.alpha, max_new_tokens=args.max_new_tokens,
-                      batch_size=len(prompts), temperature=0.0)
-    tokens = {"n": 0}
-    generate = policy.generate
-
-    def counting_generate(*a: Any, **k: Any) -> list:
-        samples = generate(*a, **k)
-        tokens["n"] += sum(len(x.token_ids) for x in samples)
-        return samples
-
-    policy.generate = counting_generate
-    row = es.es_step(policy, prompts, reward_fn, es_args, t=0)
+    try:
+        seeds, signs = es.member_seeds(0, 0, args.pop, False)
+        rewards, _, perf = es.evaluate_population(engine, master, prompts, reward_fn, seeds, signs, args.sigma,
+                                                  args.max_new_tokens, 0.0, [0] * args.pop)
+        row = es.es_update(master, seeds, signs, rewards.mean(1), args.alpha)
+    finally:
+        es.sync_weights = sync_weights
     assert row["es/skipped"] == 0
-    return {**seconds, "tokens": tokens["n"]}
+    return {**seconds, "tokens": perf["tokens"]}
 
 
 def main(args: Args) -> str:
@@ -134,13 +134,15 @@ def main(args: Args) -> str:
     for name in args.models:
         path = resolve_bench_model(name, Path(args.model_dir), args.random_layers, args.tokenizer)
         for backend in args.backends:
-            cls = common.VLLMPolicy if backend == "vllm" else common.HFPolicy
-            policy = cls(path, args.dtype, device, es=True, batch_size=args.prompts)
-            fixed_length(policy)
+            policy = common.HFPolicy(path, args.dtype, device, batch_size=args.prompts)
+            master = common.Master(policy.params)
+            engine = policy if backend == "hf" else common.VLLMPolicy(path, args.dtype, device,
+                                                                      batch_size=args.prompts)
+            fixed_length(engine)
             problems = common.load_task("countdown", "train")[: args.prompts]
             prompts = [common.render_prompt("countdown", p) for p in problems]
-            policy.generate(prompts[:2], max_new_tokens=2)  # warm-up: first-call allocations, kernels
-            s = bench_one(policy, prompts, args, device)
+            engine.generate(prompts[:2], max_new_tokens=2)  # warm-up: first-call allocations, kernels
+            s = bench_one(engine, master, prompts, args, device)
             overhead = s["perturb"] + s["restore"] + s["update"]
             per_token = s["rollout"] / max(s["tokens"], 1)
             need = overhead / args.pop / (args.ratio * per_token)  # tokens per member: overhead = ratio·rollout
@@ -151,7 +153,7 @@ def main(args: Args) -> str:
                          f"{args.prompts}×{s['tokens'] // (args.pop * args.prompts)}", s["rollout"], s["perturb"],
                          s["restore"], s["update"], f"{overhead / s['rollout']:.1%}", s["tokens"] / s["rollout"],
                          f"{need:.0f}"])
-            del policy
+            del policy, master, engine
     lines += [table(header, rows), "", f"after: {machine_line(device)}",
               f"command: python bench/es_iteration.py --models {' '.join(args.models)} --pop {args.pop} "
               f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --dtype {args.dtype} "

@@ -24,7 +24,7 @@ GPU:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -129,19 +129,23 @@ def main(args: Args) -> str:
              f"machine: {machine_line(device)}", ""]
 
     # 1. speed, in --dtype: the same N members, prompts and fixed-length greedy work each way
-    policy = common.HFPolicy(path, args.dtype, device, es=True, batch_size=args.prompts)
+    policy = common.HFPolicy(path, args.dtype, device, batch_size=args.prompts)
+    master = common.Master(policy.params)
     fixed_length(policy)
-    es_args = replace(es.Args(), pop=args.pop, sigma=args.sigma, max_new_tokens=args.max_new_tokens,
-                      batch_size=args.prompts, temperature=0.0)
     reward_fn = lambda i, text: common.score("countdown", problems[i], text)  # noqa: E731
+
+    def population(members: int, max_new_tokens: int) -> object:
+        return es.evaluate_population(policy, master, prompts, reward_fn, seeds[:members], signs[:members],
+                                      args.sigma, max_new_tokens, 0.0, [0] * members)
+
     # warm-up, one short member each way (first-call allocations), then back to exactly θ₀
-    es.evaluate_population(policy, prompts, reward_fn, seeds[:1], signs[:1], replace(es_args, max_new_tokens=2), 0)
+    population(1, 2)
     reference_member(policy, prompts, 12345, args.sigma, 2)
-    policy.restore()
+    master.restore()
     start = snapshot(policy)
-    ours = timed(lambda: es.evaluate_population(policy, prompts, reward_fn, seeds, signs, es_args, 0), device)
+    ours = timed(lambda: population(args.pop, args.max_new_tokens), device)
     ours_drift = drift(policy, start)
-    policy.restore()
+    master.restore()
     ref = timed(lambda: [[common.score("countdown", problems[i], text) for i, text in
                           enumerate(reference_member(policy, prompts, s, args.sigma, args.max_new_tokens))]
                          for s in seeds], device)
@@ -155,14 +159,15 @@ def main(args: Args) -> str:
             ["reference (in-place add/subtract)", dtype, work, ref[0], ref[1], "1.00×", "1.00×", ref_drift[0],
              f"{ref_drift[1]:.3%}"]]
     lines += [table(header, rows), ""]
-    del policy
+    del policy, master
 
     # 2. bf16 restore drift after `drift_members` members (perturb/restore only: generation changes no weight)
     if args.drift_members:
-        policy = common.HFPolicy(path, "bfloat16", device, es=True, batch_size=args.prompts)
+        policy = common.HFPolicy(path, "bfloat16", device, batch_size=args.prompts)
+        master = common.Master(policy.params)
         start = snapshot(policy)
         drift_seeds, _ = es.member_seeds(args.seed, 1, args.drift_members, antithetic=False)
-        t_ours = timed(lambda: [(policy.perturb(s, args.sigma), policy.restore()) for s in drift_seeds], device)
+        t_ours = timed(lambda: [(master.perturb(s, args.sigma), master.restore()) for s in drift_seeds], device)
         ours_drift = drift(policy, start)
         t_ref = timed(lambda: [(reference_add_noise(policy.model, s, args.sigma),
                                 reference_add_noise(policy.model, s, -args.sigma)) for s in drift_seeds], device)

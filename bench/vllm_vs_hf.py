@@ -18,7 +18,8 @@ from typing import Literal
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import EMBEDDED_MODEL, HFPolicy, VLLMPolicy, derive_seed, load_task, render_prompt  # noqa: E402
+from common import (EMBEDDED_MODEL, HFPolicy, Master, VLLMPolicy, derive_seed, load_task, render_prompt,  # noqa: E402
+                    sync_weights)
 
 
 @dataclass
@@ -37,22 +38,24 @@ class Args:
     """noise scale σ"""
 
 
-def bench(policy: HFPolicy | VLLMPolicy, prompts: list[str], args: Args) -> dict[str, float]:
+def bench(engine: HFPolicy | VLLMPolicy, master: Master, prompts: list[str], args: Args) -> dict[str, float]:
+    """es.py's iteration, by hand: per member perturb + load into the engine, rollout, restore; then the update and
+    the load of the updated θ (on HF the engine is the model itself: nothing to load)."""
     times, tokens = {"perturb": 0.0, "rollout": 0.0, "update": 0.0}, 0
     seeds = [derive_seed("bench", n) for n in range(args.pop)]
     for s in seeds:
         t0 = time.perf_counter()
-        policy.perturb(s, args.sigma)
+        master.perturb(s, args.sigma)
+        sync_weights(engine, master.params)
         t1 = time.perf_counter()
-        tokens += sum(len(x.token_ids) for x in policy.generate(prompts, max_new_tokens=args.max_new_tokens))
+        tokens += sum(len(x.token_ids) for x in engine.generate(prompts, max_new_tokens=args.max_new_tokens))
         t2 = time.perf_counter()
-        policy.restore()
+        master.restore()
         times["perturb"] += t1 - t0 + time.perf_counter() - t2
         times["rollout"] += t2 - t1
     t0 = time.perf_counter()
-    policy.add_noise(seeds, [1.0] * args.pop, scale=1e-4)
-    if isinstance(policy, VLLMPolicy):
-        policy._sync()  # vLLM restores lazily: count the engine write of the updated master here
+    master.add_noise(seeds, [1.0] * args.pop, scale=1e-4)
+    sync_weights(engine, master.params)
     times["update"] = time.perf_counter() - t0
     return {**times, "tokens_per_s": tokens / times["rollout"],
             "ratio": (times["perturb"] + times["update"]) / times["rollout"]}
@@ -60,11 +63,16 @@ def bench(policy: HFPolicy | VLLMPolicy, prompts: list[str], args: Args) -> dict
 
 def main(args: Args) -> None:
     rows = {}
-    for backend in (HFPolicy, VLLMPolicy):
-        policy = backend(args.model, args.dtype, es=True, batch_size=args.pop * args.prompts)
+    for backend in ("HFPolicy", "VLLMPolicy"):
+        policy = HFPolicy(args.model, args.dtype, batch_size=args.pop * args.prompts)
+        master = Master(policy.params)
+        engine = policy if backend == "HFPolicy" else VLLMPolicy(args.model, args.dtype,
+                                                                 batch_size=args.pop * args.prompts)
         prompts = [render_prompt("countdown", p, policy.tokenizer) for p in load_task("countdown", "train")[:args.prompts]]
-        rows[backend.__name__] = bench(policy, prompts, args)
-        del policy
+        rows[backend] = bench(engine, master, prompts, args)
+        if engine is not policy:
+            engine.close()
+        del policy, master, engine
     print(f"\nmodel {args.model}, N={args.pop}, {args.prompts} prompts, {args.max_new_tokens} new tokens, greedy\n")
     print("| backend | rollout tokens/s | perturb+restore s | update s | rollout s | (perturb+restore+update)/rollout |")
     print("|---|---|---|---|---|---|")

