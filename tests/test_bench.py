@@ -1,4 +1,5 @@
-"""bench/task_data.py (the CPU experiments' task variants), bench/plot_curves.py and bench/paired_greedy.py."""
+"""bench/task_data.py (the CPU experiments' task variants), bench/plot_curves.py, bench/paired_greedy.py and
+bench/es_iteration.py."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import common  # noqa: E402
+import es_iteration  # noqa: E402
 import eval_passk  # noqa: E402
 import paired_greedy  # noqa: E402
 import plot_curves  # noqa: E402
@@ -124,3 +126,26 @@ def test_paired_greedy_by_hand() -> None:
     up = paired_greedy.compare(rows("es", [1, 1, 1, 1]) + rows("base", [1, 0.1, 0, 1]), "base")[0]
     assert up["reward"][2] == pytest.approx(0.475) and up["won"] == 2 and up["lost"] == 0
     assert 0 <= up["correct"][3] <= up["correct"][4] <= 1  # d ≥ 0 on every problem
+
+
+def test_the_accumulating_update_is_the_regenerating_one(tiny_model: str) -> None:
+    """bench/es_iteration.py's accumulate candidate: Σ Z_n ε_n = (Σ R_n ε_n − mean R·Σ ε_n)/(std R + 1e-8), summed
+    while the members are evaluated, moves θ where es.py's update (ε drawn again) does, to fp32 rounding; and the
+    fixed-length generation makes both runs produce N·P·T tokens."""
+    import torch
+
+    args = es_iteration.Args(pop=4, prompts=2, max_new_tokens=3, sigma=0.05, alpha=0.1)
+    prompts, thetas = ["ab", "cd"], []
+    for mode in ("regenerate", "accumulate"):
+        policy = common.HFPolicy(tiny_model, "float32", "cpu")
+        es_iteration.fixed_length(policy)
+        master = common.Master(policy.params)
+        s = es_iteration.es_iteration(policy, master, prompts, args, mode, "cpu")
+        assert s["tokens"] == 4 * 2 * 3 and s["update"] > 0
+        thetas.append(master.theta)
+        assert all(torch.equal(policy.params[k], m) for k, m in master.theta.items())  # restored to the new θ
+    moved = [k for k in thetas[0] if not torch.equal(thetas[0][k], common.Master(
+        common.HFPolicy(tiny_model, "float32", "cpu").params).theta[k])]
+    assert moved  # the update ran
+    for k in thetas[0]:
+        torch.testing.assert_close(thetas[1][k], thetas[0][k], rtol=0, atol=1e-6)

@@ -130,6 +130,32 @@ def test_update_from_regenerated_noise_equals_stored_noise(tiny_model: str) -> N
     assert all(torch.equal(master.params[k], master.theta[k]) for k in master.params)  # model = cast(master)
 
 
+def test_a_noise_table_gives_slices_at_seeded_offsets(tiny_model: str) -> None:
+    """[OpenAI-ES] §2.3: ε(seed, tensor) = table[o : o + n] with o = derive_seed(seed, name) mod (T − n + 1); the
+    table is the same for the same seed (a resumed run regenerates it), and perturb / update use those slices."""
+    table = common.noise_table(50_000, 3, "cpu")
+    assert torch.equal(table, common.noise_table(50_000, 3, "cpu")) and not torch.equal(table, common.noise_table(
+        50_000, 4, "cpu"))
+    master = Master(HFPolicy(tiny_model, "float32", "cpu").params, table=table)
+    theta0 = {k: m.clone() for k, m in master.theta.items()}
+
+    def by_hand(seed: int, name: str) -> torch.Tensor:
+        n = master.theta[name].numel()
+        o = derive_seed(seed, name) % (50_000 - n + 1)
+        return table[o:o + n].view(master.theta[name].shape)
+
+    name = "model.embed_tokens.weight"
+    assert torch.equal(master.eps(7, name), by_hand(7, name)) and not torch.equal(by_hand(7, name), by_hand(8, name))
+    master.perturb(7, 0.1)
+    assert all(torch.equal(master.params[k], theta0[k].add(by_hand(7, k), alpha=0.1)) for k in theta0)
+    master.restore()
+    master.add_noise([1, 2], [0.5, -1.0], 0.01)
+    for k, m in master.theta.items():
+        torch.testing.assert_close(m, theta0[k] + 0.01 * (0.5 * by_hand(1, k) - by_hand(2, k)), rtol=0, atol=1e-7)
+    with pytest.raises(SystemExit, match="at least the largest tensor"):
+        Master(master.params, table=common.noise_table(10, 3, "cpu"))
+
+
 def test_shrink_to_base_and_drift(tiny_model: str) -> None:
     master = Master(HFPolicy(tiny_model, "float32", "cpu").params)
     assert master.drift() == 0.0

@@ -207,7 +207,7 @@ def test_grpo_steps_keep_the_engine_synced(policy: common.VLLMPolicy, tmp_path: 
                      prompts_per_step=2, max_new_tokens=12, steps=2, lr=1e-4, eval_every=2, eval_prompts=2,
                      batch_size=8, out_dir=str(tmp_path / "run"))
     run = grpo.main(args)
-    assert opened == [MODEL, "close"] and len(synced) == 2
+    assert opened == [common.resolve_model(MODEL), "close"] and len(synced) == 2
     for trained, engine in synced:
         dtype = next(iter(engine.values())).dtype
         assert_same_weights(engine, {k: v.to(dtype) for k, v in trained.items()})
