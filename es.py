@@ -230,10 +230,10 @@ ES_CURVES = (("es/js_succ_bits", "ES: JS diversity (bits)"),)
 """es.py's panel in curves.png, beside common.CURVES."""
 
 
-def main(args: Args, evaluate: Callable[..., tuple[np.ndarray, np.ndarray, dict[str, float]]] = evaluate_population,
+def main(args: Args, population: Callable[..., tuple[np.ndarray, np.ndarray, dict[str, float]]] = evaluate_population,
          update: Callable[..., dict[str, float]] = es_update) -> Path:
-    """Train. `evaluate` and `update` are stages 2 and 4, with the signatures of `evaluate_population` and `es_update`:
-    es_lowrank.py runs this same loop with its own."""
+    """Train. `population` and `update` are stages 2 and 4, with the signatures of `evaluate_population` and
+    `es_update`: es_lowrank.py runs this same loop with its own."""
     check_args(args)
     rank, world = init_distributed()  # every process holds θ and derives the same seeds; rank 0 logs and saves
     train = load_task(args.task, "train", args.data)[: args.train_size]
@@ -290,7 +290,7 @@ def main(args: Args, evaluate: Callable[..., tuple[np.ndarray, np.ndarray, dict[
             seeds, signs = member_seeds(args.seed, t, args.pop, args.antithetic)
 
             # 2. evaluate the population: every member on the same prompts (R: (N, P))
-            rewards, correct, perf = evaluate(
+            rewards, correct, perf = population(
                 engine, master, [prompts[i] for i in batch], lambda i, text: score(args.task, train[batch[i]], text),
                 seeds, signs, args.sigma, args.max_new_tokens, args.temperature,
                 [derive_seed(args.seed, "sample", t, n) for n in range(args.pop)], rank, world)

@@ -168,7 +168,7 @@ def test_es_iteration_matches_hf_backend(policy: common.VLLMPolicy, tmp_path: Pa
         args = es.Args(backend=backend, task="arith", chat_template=True, pop=4, sigma=1e-2, alpha=5e-3,
                        prompts_per_iter=4, max_new_tokens=16, iterations=1, eval_every=0, batch_size=16,
                        out_dir=str(tmp_path / backend))
-        runs[backend] = es.main(args, evaluate=spy)
+        runs[backend] = es.main(args, population=spy)
     print("member rewards:", rewards)
     assert rewards["VLLMPolicy"] == rewards["HFPolicy"]
     assert len(set(rewards["HFPolicy"])) > 1  # members differ, so an update is applied and compared below
