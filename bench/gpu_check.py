@@ -328,32 +328,38 @@ def check_exactness(ctx: Context) -> list[str]:
             table(["check", "result", "max abs diff"], rows)]
 
 
+def es_expected(estimate: dict[str, int]) -> dict[str, int]:
+    """The bytes CUDA should count at each step, from common.es_memory's items: the resident staged θ, master and θ₀,
+    plus the step's transient; `cap` is what the preflight leaves PyTorch's allocator (the total less the context)."""
+    resident = estimate["staged θ"] + estimate["fp32 master"] + estimate["θ₀"]
+    return {"load": resident, "perturb": resident + estimate["perturb transient"], "restore": resident,
+            "update": resident + estimate["update transient"], "cap": estimate["total"] - common.CUDA_CONTEXT}
+
+
 def es_memory_table(ctx: Context, es: ES, estimate: dict[str, int], held: Optional[int], base: int,
                     label: str) -> list[str]:
-    """What the loaded ES process holds (`held` bytes above `base`), its peak at each operation, against
-    common.es_memory's items; then the operations again with PyTorch's allocator capped where the preflight's
-    estimate puts it: what is reserved now, less what the process holds, plus the estimate without the CUDA context."""
-    resident = estimate["staged θ"] + estimate["fp32 master"] + estimate["θ₀"]
-    rows = [["after load: staged θ + master + θ₀", gib(resident), gib(held), versus(held, resident)]]
+    """What the loaded ES process holds (`held` bytes above `base`) and its peak at each operation, against
+    es_expected; then the operations again with PyTorch's allocator capped where the preflight puts it: what is
+    reserved besides the process, plus the estimate's cap."""
+    expected = es_expected(estimate)
+    rows = [["after load: staged θ + master + θ₀", gib(expected["load"]), gib(held), versus(held, expected["load"])]]
     seeds, coefs = list(range(4)), [0.5, -0.5, 1.0, -1.0]
-    steps = [("perturb", lambda: es_perturb(es, 1, 1e-3), "perturb transient"),
-             ("restore", lambda: es_restore(es), None),
-             ("update, N = 4", lambda: es_update(es, seeds, coefs, 1e-3), "update transient")]
-    for name, step, item in steps:
+    steps = [("perturb", lambda: es_perturb(es, 1, 1e-3)), ("restore", lambda: es_restore(es)),
+             ("update", lambda: es_update(es, seeds, coefs, 1e-3))]
+    for name, step in steps:
         reset_peak(ctx)
         step()
         sync(ctx.device)
         measured = None if peak(ctx) is None else peak(ctx) - base
-        expected = resident + (estimate[item] if item else 0)
-        rows.append([f"peak of {name}" + (f" (+ {item})" if item else ""), gib(expected), gib(measured),
-                     versus(measured, expected)])
+        rows.append([f"peak of {name}" + (", N = 4" if name == "update" else ""), gib(expected[name]),
+                     gib(measured), versus(measured, expected[name])])
     fits = "— (no CUDA)"
     if ctx.cuda and held is not None:
         free_memory()
-        cap = torch.cuda.memory_reserved() - held + estimate["total"] - common.CUDA_CONTEXT
+        cap = torch.cuda.memory_reserved() - held + expected["cap"]
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
         try:
-            for _, step, _ in steps:
+            for _, step in steps:
                 step()
             sync(ctx.device)
             fits = "yes"
@@ -361,7 +367,7 @@ def es_memory_table(ctx: Context, es: ES, estimate: dict[str, int], held: Option
             fits = f"no: OOM ({one_line(e)[:80]})"
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
-    rows.append(["perturb, restore, update under the estimate's cap", "", fits, ""])
+    rows.append([f"perturb, restore, update under the cap ({gib(expected['cap'])})", "", fits, ""])
     ctx.confirm("es-memory", f"{label}: peaks of perturb / update vs es_memory",
                 f"{rows[1][3]} / {rows[3][3]} of the estimate; under its cap: {fits}")
     return [table(["bytes held", "estimate GiB", "CUDA peak GiB", "measured / estimate"], rows), ""]

@@ -127,6 +127,21 @@ def test_es_memory_by_hand_for_qwen2_5_1_5b_and_7b(tmp_path: Path) -> None:
     assert [round(gib("1.5b", None), 2), round(gib("7b", None), 2), round(gib("7b", "cpu"), 2)] == [14.24, 61.8, 21.28]
 
 
+@pytest.mark.parametrize("shape,fused", [
+    (dict(vocab_size=64, hidden_size=256, intermediate_size=1024), "gate_up"),  # 2·I·H > V·H
+    (dict(vocab_size=64, hidden_size=256, intermediate_size=64, num_key_value_heads=4), "qkv")])  # (H + 2K)·H + bias
+def test_vllm_reloads_one_fused_module_at_a_time(shape: dict, fused: str, tmp_path: Path) -> None:
+    """vLLM loads q/k/v into one qkv_proj and gate/up into one gate_up_proj: its reload buffer is the largest such
+    module when that beats every single tensor (not so for Qwen2.5, whose embedding is larger)."""
+    config = dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)
+    Qwen2Config(**{**config, **shape}).save_pretrained(tmp_path)
+    H, I = shape["hidden_size"], shape["intermediate_size"]
+    K = shape.get("num_key_value_heads", 1) * H // 4
+    module = 2 * I * H if fused == "gate_up" else (H + 2 * K) * H + H + 2 * K
+    assert module > max(shape["vocab_size"] * H, H * I, H * H)
+    assert common.es_memory(str(tmp_path), torch.float16, None)["vLLM reload transient"] == 2 * module
+
+
 def test_a_vllm_es_process_that_cannot_fit_is_refused_before_the_engine_starts(tiny_model: str, tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A faked 80 GiB card. Qwen2.5-1.5B in bf16 needs 14.24 GiB outside the engine's share: vLLM's default 0.92

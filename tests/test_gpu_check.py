@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import common  # noqa: E402
 import gpu_check  # noqa: E402
 
 BLOCKED = ("tyro", "trl", "datasets", "vllm", "math_verify", "matplotlib", "pytest", "accelerate")
@@ -54,7 +55,7 @@ def test_dry_run_on_a_bare_box(tmp_path: Path) -> None:
     assert re.search(r"^\| master_device=cpu .* \| yes \| 0 \|$", found[3], re.M), found[3]
     for number, model in ((4, "tiny-qwen2"), (7, "tiny-qwen2-untied")):  # ES: memory twice, speed once
         assert f"random {model} (" in found[number] and found[number].count("### master on") == 2, found[number]
-        assert len(re.findall(r"^\| peak of update, N = 4 \(\+ update transient\) \| \d+\.\d\d \| — \| — \|$",
+        assert len(re.findall(r"^\| peak of update, N = 4 \| \d+\.\d\d \| — \| — \|$",
                               found[number], re.M)) == 2, found[number]
         assert re.search(r"^\| rollout: 2 prompts × 4 tokens .* \| \d+ tok/s \|$", found[number], re.M)
         assert re.search(r"^\| per member: \(perturb \+ restore\) / rollout \| [\d.e-]+ \|", found[number], re.M)
@@ -105,3 +106,13 @@ def test_a_check_over_its_budget_is_stopped(tmp_path: Path) -> None:
 def test_present_respects_blocked_modules(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, module, None)
     assert not gpu_check.present(module)
+
+
+def test_the_es_check_expects_the_resident_items_plus_each_steps_transient() -> None:
+    """By hand, from made-up items: what CUDA should count after load and at each step, and the allocator's cap (the
+    preflight's total less the CUDA context: resident + the largest transient)."""
+    estimate = {"staged θ": 2, "fp32 master": 40, "θ₀": 300, "perturb transient": 5000, "update transient": 60000,
+                "vLLM reload transient": 700000, "CUDA context": common.CUDA_CONTEXT,
+                "total": 342 + 700000 + common.CUDA_CONTEXT}
+    assert gpu_check.es_expected(estimate) == {"load": 342, "perturb": 5342, "restore": 342, "update": 60342,
+                                               "cap": 700342}

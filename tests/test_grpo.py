@@ -243,6 +243,10 @@ def test_update_memory_by_hand_for_qwen2_5_1_5b_at_the_paper_lengths() -> None:
     tiny = replace(grpo.Args(), max_new_tokens=1, micro_batch_size=1, group_size=2, prompts_per_step=1)
     assert grpo.update_memory(config, n, tiny, 1, "cuda")["peak"] == 20 * n
     assert grpo.update_memory(config, 10**6, tiny, 1, "cuda")["peak"] == 16 * 10**6 + 12 * V * H
+    # a step of fewer sequences than --micro-batch-size is one micro-batch of them
+    few = replace(grpo.Args(), max_new_tokens=C, prompts_per_step=1, group_size=2)
+    assert grpo.update_memory(config, n, few, 200, "cuda") == grpo.update_memory(
+        config, n, replace(few, micro_batch_size=2), 200, "cuda")
 
 
 @pytest.mark.parametrize("dtype,checkpointing,kv_heads", [("bfloat16", False, 2), ("bfloat16", False, 1),
@@ -287,6 +291,8 @@ UPDATE_SHAPES = {  # name → (config, args, prompt length): each dominated by o
                           16),
     "embedding gradient": (dict(vocab_size=16384, hidden_size=128, intermediate_size=256, num_hidden_layers=1),
                            dict(dtype="float32", micro_batch_size=2, max_new_tokens=8), 8),
+    "AdamW step, untied": (dict(vocab_size=16384, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                tie_word_embeddings=False), dict(dtype="float32", micro_batch_size=2, max_new_tokens=8), 8),
 }
 
 
