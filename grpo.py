@@ -332,7 +332,6 @@ def update_memory(config: PretrainedConfig, params: int, args: Args, prompt_len:
     # k, v, output and the (b, 1, T, T) mask in the compute dtype; the MLP's gate, silu(gate), up and product
     layer = 16 * H + (5 * c * H if cast else 8 * H) + c * (2 * A + V_k + (A if cast else V_k)) + c * T + 4 * c * I
     matmul = L * (2 * H * A + 2 * H * K + 3 * H * I) + V * H  # weights used in matmuls (lm_head included)
-    largest = max(V * H, H * I)
     items = {
         "fp32 weights, gradients, AdamW": 16 * params,
         "reference model": 4 * params if args.beta > 0 else 0,
@@ -345,11 +344,12 @@ def update_memory(config: PretrainedConfig, params: int, args: Args, prompt_len:
         # four fp32 (C, V) temporaries (gather's scatter, z − lse, its exp, the product), when c·b < ~12
         "logits or log-prob temporaries": max(b * (C + 1) * V * c + 4 * C * V, 16 * C * V),
     }
-    # or a later phase: the AdamW step (on CUDA, foreach: one fp32 temporary per parameter, √v; on CPU two of the
-    # largest tensor), or the backward pass summing the embedding's gradient from its two uses (tied lm_head)
+    # or a later phase: the AdamW step (CUDA's foreach: one fp32 temporary per parameter, √v; CPU's loop: √v and its
+    # quotient for one tensor while the last one's quotient is still referenced: gate/up/down follow one another, the
+    # embedding comes first), or the backward pass summing a tied embedding's gradient from its two uses beside .grad
     static = items["fp32 weights, gradients, AdamW"] + items["reference model"]
-    step = static + (4 * params if device.startswith("cuda") else 8 * largest)
-    embedding = static + (12 if config.tie_word_embeddings else 8) * V * H
+    step = static + (4 * params if device.startswith("cuda") else max(12 * H * I, 8 * V * H))
+    embedding = static + 12 * V * H * config.tie_word_embeddings
     return {**items, "peak": max(sum(items.values()), step, embedding)}
 
 

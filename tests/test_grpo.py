@@ -254,7 +254,7 @@ def test_update_memory_by_hand_for_qwen2_5_1_5b_at_the_paper_lengths() -> None:
 def test_activation_bytes_per_layer_are_what_autograd_keeps(dtype: str, checkpointing: bool, kv_heads: int) -> None:
     """One more layer adds, per token, exactly the estimate's bytes kept for backward: live tensor bytes after the
     forward pass of 3 layers minus 2 (the logits are freed by then; what is left is kept for backward)."""
-    b, P, C = 3, 16, 40
+    b, P, C = 3, 16, 200  # T = 216: the (b, 1, T, T) mask is 4–8% of a layer's bytes
     args = replace(grpo.Args(), dtype=dtype, gradient_checkpointing=checkpointing, micro_batch_size=b,
                    max_new_tokens=C)
     kept = {}
@@ -291,8 +291,12 @@ UPDATE_SHAPES = {  # name → (config, args, prompt length): each dominated by o
                           16),
     "embedding gradient": (dict(vocab_size=16384, hidden_size=128, intermediate_size=256, num_hidden_layers=1),
                            dict(dtype="float32", micro_batch_size=2, max_new_tokens=8), 8),
-    "AdamW step, untied": (dict(vocab_size=16384, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                                tie_word_embeddings=False), dict(dtype="float32", micro_batch_size=2, max_new_tokens=8), 8),
+    "AdamW step, an MLP weight the largest": (dict(vocab_size=1024, hidden_size=128, intermediate_size=8192,
+                                                   num_hidden_layers=1, tie_word_embeddings=False),
+                                              dict(dtype="float32", micro_batch_size=2, max_new_tokens=8), 8),
+    "AdamW step, untied embedding the largest": (dict(vocab_size=16384, hidden_size=128, intermediate_size=256,
+                                                      num_hidden_layers=1, tie_word_embeddings=False),
+                                                 dict(dtype="float32", micro_batch_size=2, max_new_tokens=8), 8),
 }
 
 
