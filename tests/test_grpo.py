@@ -336,20 +336,22 @@ def test_update_memory_is_the_peak_of_the_tensors_an_update_holds(shape: str) ->
 
 def test_update_memory_bounds_the_peak_rss_of_an_update() -> None:
     """The whole process, as the log-prob test measures it: peak RSS over two `update` steps in a fresh process, above
-    its RSS just before the model is built, at micro-batches of 4 and 8 (logits-dominated; fp32, as bf16 matmuls are
-    slow on this CPU). RSS exceeds the estimate by a constant (seen: 23 MB at every size: kernel libraries' code and
-    buffers) and grows with the micro-batch as the estimate does (seen: 0.996×)."""
+    its RSS just before the model is built (the peak is reset there: the imports' own can be higher), at micro-batches
+    of 4 and 8 (logits-dominated; fp32, as bf16 matmuls are slow on this CPU). RSS exceeds the estimate by a constant
+    (seen: 23 MB at both sizes: kernel libraries' code and buffers) and grows with the micro-batch as the estimate
+    does (seen: 0.996–1.000×)."""
     code = """
-import json, resource, sys
+import json, re, sys
 from dataclasses import replace
 sys.path.insert(0, "tests")
 import grpo
 from test_grpo import _qwen2, _update_twice
+hwm = lambda: int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read())[1]) * 1024  # peak RSS
 config, args = _qwen2(**json.loads(sys.argv[1])), replace(grpo.Args(), **json.loads(sys.argv[2]))
-base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() // 1024  # RSS now, KiB
+open("/proc/self/clear_refs", "w").write("5")  # peak RSS := RSS now (the imports' peak can be higher)
+base = hwm()
 params = _update_twice(config, args, 16)
-print(json.dumps([(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024,
-                  grpo.update_memory(config, params, args, 16, "cpu")["peak"]]))
+print(json.dumps([hwm() - base, grpo.update_memory(config, params, args, 16, "cpu")["peak"]]))
 """
     config = dict(vocab_size=32768, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
