@@ -25,8 +25,8 @@ tables it finished), ending with the docs/gpu.md rows each measurement confirms.
 
 Time: everything stops at TOTAL_S = 440 s after start (bench/gpu.sh kills it at 470 s). Each check has its own
 budget in seconds (BUDGET_S), cut to what is left of the total; a check that reaches it is stopped and reported
-"skipped: stopped at its N s time budget" with the tables it had finished. On a bare H200 checks 1–7 are expected to
-take ~5 min, most of it building and loading the random 7B (15 GB on disk). The budgets end the script by TOTAL_S
+"skipped: stopped at its N s time budget" with the tables it had finished. On a bare H200 checks 1–7 should take
+~5 min (an estimate: no GPU has run this version), most of it building and loading the random 7B (15 GB on disk). The budgets end the script by TOTAL_S
 unless a call hangs inside C code (a stuck NCCL call, say), which no Python alarm interrupts: then gpu.sh's timeout
 ends it. ES operations go through the four adapters under "ES operations" (the ES API is moving to a class holding
 the fp32 master): only they change with it.
