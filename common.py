@@ -452,17 +452,51 @@ def sync_weights(engine: HFPolicy | VLLMPolicy, weights: Weights) -> None:
     llm.reset_prefix_cache()
 
 
+CUDA_CONTEXT = 2**30
+"""GPU bytes a CUDA process holds outside PyTorch's allocator: the driver context and the kernels it loads (~0.3–0.45
+GiB at start with lazy module loading, pytorch/pytorch#86509 and #109888; more as cuBLAS and other kernels load);
+bench/gpu_check.py measures it (total − free − reserved) after its ES and GRPO checks."""
+
+
+def es_memory(path: str, dtype: torch.dtype, master_device: Optional[str]) -> dict[str, int]:
+    """GPU bytes an ES process with a vLLM engine holds outside the engine's share, by item (docs/vllm.md#memory).
+
+    Resident: the staged θ that is loaded into the engine (model dtype, HF names), the fp32 master and θ₀ (model
+    dtype), the last two in host memory with --master-device cpu. Transients, one at a time (PyTorch's caching
+    allocator reuses the blocks of the one before), so their largest counts: perturb's cast(master + σ·ε) holds ε
+    and the fp32 sum of the largest tensor (+ its fp32 master copy, brought over, with --master-device cpu); the
+    update's Σ c_n·ε_n an fp32 accumulator and ε; vLLM 0.32's reload_weights (model_loader/reload/layerwise.py)
+    materializes one module at a time in the model dtype (q/k/v and gate/up fused) before copying it into the
+    engine's tensors. The total adds the CUDA context."""
+    params = meta_params(path)
+    largest = max(p.numel() for p in params.values())
+    fused: dict[str, int] = {}  # vLLM's modules: qkv_proj and gate_up_proj hold two or three HF tensors
+    for name, p in params.items():
+        module = re.sub(r"\.(q|k|v)_proj\.", ".qkv_proj.", re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name))
+        module = module.rsplit(".", 1)[0]
+        fused[module] = fused.get(module, 0) + p.numel()
+    n, size, on_gpu = sum(p.numel() for p in params.values()), dtype.itemsize, master_device != "cpu"
+    items = {"staged θ": n * size, "fp32 master": 4 * n * on_gpu, "θ₀": n * size * on_gpu,
+             "perturb transient": (8 if on_gpu else 12) * largest, "update transient": 8 * largest,
+             "vLLM reload transient": size * max(fused.values()), "CUDA context": CUDA_CONTEXT}
+    transient = max(v for k, v in items.items() if k.endswith("transient"))
+    return {**items, "total": sum(v for k, v in items.items() if not k.endswith("transient")) + transient}
+
+
 def check_gpu_memory(path: str, dtype: torch.dtype, share: float, master_device: Optional[str]) -> None:
-    """Refuse to start an ES run whose HF model and master cannot fit beside a vLLM engine taking `share` of the GPU:
-    the HF model (model dtype) and, unless --master-device cpu, the fp32 master and θ₀ live outside that share."""
+    """Refuse to start an ES run whose process cannot fit beside a vLLM engine (`es_memory`): the engine takes `share`
+    of the GPU, the rest must hold the ES process's items."""
     if not torch.cuda.is_available():
         return
-    per_param = dtype.itemsize + (0 if master_device == "cpu" else 4 + dtype.itemsize)  # bf16: 8 bytes per parameter
-    need = sum(p.numel() for p in meta_params(path).values()) * per_param
-    outside = (1 - share) * torch.cuda.mem_get_info()[1]
-    require(need < outside, f"ES needs {need / 2**30:.1f} GiB ({per_param} bytes per parameter) outside the vLLM "
-            f"engine's share, but only {outside / 2**30:.1f} GiB of the GPU is left at --vllm-memory {share}: "
-            "lower --vllm-memory, or pass --master-device cpu")
+    items, total = es_memory(path, dtype, master_device), torch.cuda.mem_get_info()[1]
+    outside = (1 - share) * total
+    transient = max((k for k in items if k.endswith("transient")), key=items.get)  # the one the total counts
+    top = sorted((k for k, v in items.items() if v and k != "total" and (k == transient or "transient" not in k)),
+                 key=items.get, reverse=True)
+    require(items["total"] <= outside, f"ES needs {items['total'] / 2**30:.1f} GiB of GPU memory outside the vLLM "
+            f"engine's share (" + ", ".join(f"{k} {items[k] / 2**30:.1f}" for k in top[:5]) + ", …" * (len(top) > 5)
+            + f"), but --vllm-memory {share} leaves {outside / 2**30:.1f} GiB of {total / 2**30:.0f}: lower "
+            "--vllm-memory, or pass --master-device cpu")
 
 
 # ---------------------------------------------------------------------------------------------------- 4. tasks

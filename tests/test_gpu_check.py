@@ -1,7 +1,7 @@
 """bench/gpu_check.py, the script run whenever a GPU is lent: its CPU dry run on a box as bare as that one.
 
 The dry run runs in a subprocess with the optional packages blocked (sys.modules[name] = None: `import` fails and
-find_spec finds nothing), as on a box with only torch and transformers. ~30–60 s on 2 shared cores.
+find_spec finds nothing), as on a box with only torch and transformers. ~25–60 s on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import common  # noqa: E402
 import gpu_check  # noqa: E402
 
 BLOCKED = ("tyro", "trl", "datasets", "vllm", "math_verify", "matplotlib", "pytest", "accelerate")
@@ -45,19 +46,36 @@ def test_dry_run_on_a_bare_box(tmp_path: Path) -> None:
     for module in BLOCKED:
         assert re.search(rf"^\| {module} \| absent \|", md, re.M), module
     found = sections(md)
-    assert sorted(found) == list(range(1, 9)), md
+    assert sorted(found) == list(range(1, 10)), md
     assert "skipped: no CUDA device" in found[2]
-    assert "skipped: vllm not installed" in found[7]
-    assert "skipped: trl/tyro not installed" in found[8]
+    assert "skipped: vllm not installed" in found[8]
+    assert "skipped: trl/tyro not installed" in found[9]
     # the CPU-capable checks ran and wrote their table rows
     assert re.search(r"^\| 20 perturb.* \| yes \| 0 \|$", found[3], re.M), found[3]
     assert re.search(r"^\| master_device=cpu .* \| yes \| 0 \|$", found[3], re.M), found[3]
-    assert re.search(r"^\| random tiny-qwen2 \| .* \| 2 \| 2×4 \| ", found[4], re.M), found[4]
-    assert "update ran: yes" in found[4]
+    for number, model in ((4, "tiny-qwen2"), (7, "tiny-qwen2-untied")):  # ES: memory twice, speed once
+        assert f"random {model} (" in found[number] and found[number].count("### master on") == 2, found[number]
+        assert len(re.findall(r"^\| peak of update, N = 4 \| \d+\.\d\d \| — \| — \|$",
+                              found[number], re.M)) == 2, found[number]
+        assert re.search(r"^\| rollout: 2 prompts × 4 tokens .* \| \d+ tok/s \|$", found[number], re.M)
+        assert re.search(r"^\| per member: \(perturb \+ restore\) / rollout \| [\d.e-]+ \|", found[number], re.M)
     assert re.search(r"^\| \(b\) grpo.token_logprobs .*\|$", found[5], re.M), found[5]
     assert re.search(r"^\| \(a\) old: .* \| \d[\d.e+-]* \|$", found[5], re.M), found[5]  # max abs diff to (b)
-    assert re.search(r"^\| random tiny-qwen2 \| .* \| 2×2×4 \| 2 \| ", found[6], re.M), found[6]
+    for checkpointing in ("on", "off"):
+        assert re.search(rf"^\| {checkpointing} \| \d+\.\d\d \| — \| — \| [\d.]+ / [\d.]+ \| fp32 weights",
+                         found[6], re.M), found[6]
+    # the closing table: each measurement beside its docs/gpu.md row
+    confirms = md.split("## docs/gpu.md rows these measurements confirm")[-1]
+    for key in ("es-exact", "es-memory", "es-speed", "grpo-logprobs", "grpo-memory"):
+        assert f"| {gpu_check.ROWS[key]} |" in confirms, key
     assert "## Summary" in md
+
+
+def test_each_row_the_check_confirms_is_a_row_of_docs_gpu_md() -> None:
+    table = (ROOT / "docs" / "gpu.md").read_text().split("## What only a GPU can confirm")[1].split("\n## ")[0]
+    items = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines() if line.startswith("| ")]
+    for row in gpu_check.ROWS.values():
+        assert any(item.startswith(row) for item in items), row
 
 
 def test_a_failing_check_is_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
@@ -88,3 +106,13 @@ def test_a_check_over_its_budget_is_stopped(tmp_path: Path) -> None:
 def test_present_respects_blocked_modules(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, module, None)
     assert not gpu_check.present(module)
+
+
+def test_the_es_check_expects_the_resident_items_plus_each_steps_transient() -> None:
+    """By hand, from made-up items: what CUDA should count after load and at each step, and the allocator's cap (the
+    preflight's total less the CUDA context: resident + the largest transient)."""
+    estimate = {"staged θ": 2, "fp32 master": 40, "θ₀": 300, "perturb transient": 5000, "update transient": 60000,
+                "vLLM reload transient": 700000, "CUDA context": common.CUDA_CONTEXT,
+                "total": 342 + 700000 + common.CUDA_CONTEXT}
+    assert gpu_check.es_expected(estimate) == {"load": 342, "perturb": 5342, "restore": 342, "update": 60342,
+                                               "cap": 700342}

@@ -10,16 +10,20 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import common
 import grpo
-from common import HFPolicy, Sample
+from common import HFPolicy, Sample, resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,13 +114,19 @@ def test_k3_kl_by_hand_for_a_policy_other_than_the_reference() -> None:
     torch.testing.assert_close(loss, -1 + 0.1 * expected)
 
 
-def hyper(**changes: object) -> dict:
-    """grpo.update's hyperparameters: grpo.py's defaults (fp32 compute), with `changes`."""
-    a = grpo.Args()
+def hyper(args: Optional[grpo.Args] = None, **changes: object) -> dict:
+    """grpo.update's hyperparameters from `args` (default: grpo.py's defaults, fp32 compute), with `changes`."""
+    a = args or grpo.Args(dtype="float32")
     return {**dict(scale_rewards=a.scale_rewards, eps_low=a.eps_low, eps_high=a.eps_high, beta=a.beta,
                    loss_type=a.loss_type, max_new_tokens=a.max_new_tokens, num_iterations=a.num_iterations,
-                   temperature=a.temperature, max_grad_norm=a.max_grad_norm, grad_accum=a.grad_accum,
-                   dtype=torch.float32), **changes}
+                   temperature=a.temperature, max_grad_norm=a.max_grad_norm, micro_batch_size=a.micro_batch_size,
+                   dtype=resolve_dtype(a.dtype, "cpu")), **changes}
+
+
+def rollout(policy: HFPolicy, prompts: list[str], args: grpo.Args, step: int) -> list[Sample]:
+    """grpo.py's stage 2: G samples per prompt at the sampling temperature."""
+    return policy.generate(prompts, n=args.group_size, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_p=args.top_p, seed=step)
 
 
 def test_mu2_step_by_hand_with_asymmetric_clipping(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -186,6 +196,229 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 65536)
     assert peak["full"] - peak["selective"] > 0.6 and peak["selective"] < 0.75 * peak["full"], peak
 
 
+# ---- memory: grpo.update_memory against hand arithmetic, the tensors an update holds, and peak RSS
+QWEN_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)  # Qwen2.5-1.5B's config.json
+
+
+class LiveTensors(TorchDispatchMode):
+    """Bytes held by the tensors made under it (each storage once) and their peak: what CUDA's caching allocator
+    would count, less kernels' internal workspaces. Views of `existing` tensors (a model's weights) are not counted."""
+
+    def __init__(self, existing: Sequence[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.existing = {t.untyped_storage().data_ptr() for t in existing}
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def now(self) -> int:
+        self.storages = {k: v for k, v in self.storages.items() if not v[0].expired()}
+        return sum(n for _, n in self.storages.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.now()  # drop the freed ones first: their addresses get reused
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self.existing:
+                    self.storages.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+        self.peak = max(self.peak, self.now())
+        return out
+
+
+def _qwen2(**config: Any) -> Qwen2Config:
+    return Qwen2Config(**{**dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                 attn_implementation="sdpa"), **config})
+
+
+def test_update_memory_by_hand_for_qwen2_5_1_5b_at_the_paper_lengths() -> None:
+    """Qwen2.5-1.5B (N = 1,543,714,304), micro-batches of 8 sequences of 200 + 2048 tokens, bf16 autocast on CUDA,
+    every item written out; with checkpointing (the default) it fits the 70% of an 80 GiB card that --vllm-memory 0.3
+    leaves, less 1 GiB of CUDA context; without, no micro-batch of 8 fits any 80 GiB card."""
+    config, n = _qwen2(**QWEN_1_5B), 1_543_714_304
+    b, T, C, V, H, I, L = 8, 2248, 2048, 151936, 1536, 8960, 28
+    layer = 16 * H + 5 * 2 * H + 2 * (2 * H + H + H) + 2 * T + 4 * 2 * I  # v and k full width (2 kv heads of 12)
+    assert layer == 24576 + 15360 + 12288 + 4496 + 71680 == 128400
+    common_items = {"fp32 weights, gradients, AdamW": 16 * n, "reference model": 0,
+                    "fp32 log-prob rows": 4 * b * C * V,
+                    "logits or log-prob temporaries": 2 * b * (C + 1) * V + 4 * C * V}
+    tail = b * T * (8 * H + T + 8 * 128) + b * (C + 1) * 2 * H  # final norm, bool mask, cos/sin; lm_head input
+    on = grpo.update_memory(config, n, replace(grpo.Args(), max_new_tokens=C), 200, "cuda")
+    assert on == {**common_items, "activations": b * T * L * 4 * H + tail, "bf16 weight copies": 2 * V * H,
+                  "peak": 16 * n + b * T * L * 4 * H + tail + 2 * V * H + 4 * b * C * V
+                  + 2 * b * (C + 1) * V + 4 * C * V}
+    matmul = L * (2 * H * H + 2 * H * 256 + 3 * H * I) + V * H
+    off = grpo.update_memory(config, n, replace(grpo.Args(), max_new_tokens=C, gradient_checkpointing=False), 200,
+                             "cuda")
+    assert off["activations"] == b * T * L * layer + tail and off["bf16 weight copies"] == 2 * matmul
+    assert round(on["peak"] / 2**30, 1) == 41.7 and round(off["peak"] / 2**30, 1) == 101.5
+    assert on["peak"] < 0.7 * 80 * 2**30 - 2**30 < 80 * 2**30 < off["peak"]
+    # a small model's peak is the AdamW step (CUDA's foreach: one fp32 copy of θ) or the embedding's gradient
+    tiny = replace(grpo.Args(), max_new_tokens=1, micro_batch_size=1, group_size=2, prompts_per_step=1)
+    assert grpo.update_memory(config, n, tiny, 1, "cuda")["peak"] == 20 * n
+    assert grpo.update_memory(config, 10**6, tiny, 1, "cuda")["peak"] == 16 * 10**6 + 12 * V * H
+    # a step of fewer sequences than --micro-batch-size is one micro-batch of them
+    few = replace(grpo.Args(), max_new_tokens=C, prompts_per_step=1, group_size=2)
+    assert grpo.update_memory(config, n, few, 200, "cuda") == grpo.update_memory(
+        config, n, replace(few, micro_batch_size=2), 200, "cuda")
+
+
+@pytest.mark.parametrize("dtype,checkpointing,kv_heads", [("bfloat16", False, 2), ("bfloat16", False, 1),
+                                                         ("float32", False, 2), ("bfloat16", True, 2)])
+def test_activation_bytes_per_layer_are_what_autograd_keeps(dtype: str, checkpointing: bool, kv_heads: int) -> None:
+    """What the forward pass leaves alive (the logits are freed by then: the rest is kept for backward) is the
+    estimate's activations, weight copies and log-prob rows, within 1.5% (seen: ≤ 0.3%); and one more layer adds, per
+    token, exactly the estimate's bytes for a layer: 3 layers minus 2."""
+    b, P, C = 3, 16, 200  # T = 216: the (b, 1, T, T) mask is 4–8% of a layer's bytes
+    args = replace(grpo.Args(), dtype=dtype, gradient_checkpointing=checkpointing, micro_batch_size=b,
+                   max_new_tokens=C)
+    kept = {}
+    for layers in (2, 3):
+        config = _qwen2(hidden_size=128, intermediate_size=384, num_hidden_layers=layers, vocab_size=512,
+                        num_key_value_heads=kv_heads)
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids, mask = torch.randint(2, 512, (b, P + C)), torch.ones(b, P + C, dtype=torch.long)
+        mask[0, :3] = 0  # a left-padded row, as in every real micro-batch
+        autocast = torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16", cache_enabled=False)
+        with LiveTensors(list(model.parameters())) as live, autocast:
+            logprobs = grpo.completion_logprobs(model, ids, mask, C, 1.0)[0]
+            kept[layers] = live.now()
+        items = grpo.update_memory(config, 0, args, P, "cpu")
+        kept[layers, "estimate"] = items["activations"] + items["bf16 weight copies"] + items["fp32 log-prob rows"]
+        assert kept[layers] == pytest.approx(kept[layers, "estimate"], rel=0.015), (layers, kept)
+        del logprobs
+    measured, estimated = kept[3] - kept[2], kept[3, "estimate"] - kept[2, "estimate"]
+    assert measured == pytest.approx(estimated, rel=0.015), (measured / (b * (P + C)), estimated / (b * (P + C)))
+
+
+UPDATE_SHAPES = {  # name → (config, args, prompt length): each dominated by other items
+    "logits, checkpointing": (dict(vocab_size=8192, hidden_size=64, intermediate_size=192, num_hidden_layers=2),
+                              dict(dtype="bfloat16", micro_batch_size=8, max_new_tokens=64), 16),
+    "backward's temporaries": (dict(vocab_size=8192, hidden_size=64, intermediate_size=192, num_hidden_layers=2),
+                               dict(dtype="bfloat16", micro_batch_size=2, max_new_tokens=64), 16),
+    "activations": (dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=3),
+                    dict(dtype="bfloat16", micro_batch_size=2, max_new_tokens=224, gradient_checkpointing=False), 32),
+    "fp32, one kv head": (dict(vocab_size=8192, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1),
+                          dict(dtype="float32", micro_batch_size=2, max_new_tokens=64, gradient_checkpointing=False),
+                          16),
+    "embedding gradient": (dict(vocab_size=16384, hidden_size=128, intermediate_size=256, num_hidden_layers=1),
+                           dict(dtype="float32", micro_batch_size=2, max_new_tokens=8), 8),
+    "AdamW step, an MLP weight the largest": (dict(vocab_size=1024, hidden_size=128, intermediate_size=8192,
+                                                   num_hidden_layers=1, tie_word_embeddings=False),
+                                              dict(dtype="float32", micro_batch_size=2, max_new_tokens=8), 8),
+    "AdamW step, untied embedding the largest": (dict(vocab_size=16384, hidden_size=128, intermediate_size=256,
+                                                      num_hidden_layers=1, tie_word_embeddings=False),
+                                                 dict(dtype="float32", micro_batch_size=2, max_new_tokens=8), 8),
+}
+
+
+def _update_twice(config: Qwen2Config, args: grpo.Args, prompt_len: int) -> int:
+    """Two steps of two micro-batches each (the second micro-batch has gradients, the second step AdamW's state),
+    on prompts of prompt_len − {0, 1, 2} tokens and completions of max_new_tokens − {0, 1}; returns the parameters."""
+    rng = np.random.default_rng(0)
+    n = 2 * args.micro_batch_size
+    prompts = [rng.integers(2, config.vocab_size, prompt_len - i % 3).tolist() for i in range(n // 2)]
+    samples = [Sample(i // 2, "", rng.integers(2, config.vocab_size, args.max_new_tokens - i % 2).tolist())
+               for i in range(n)]  # a group's completions differ in length: padded rows, so an attention mask
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).requires_grad_(True)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = SimpleNamespace(model=model, device="cpu", tokenizer=SimpleNamespace(pad_token_id=0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    for _ in range(2):
+        grpo.update(policy, optimizer, None, prompts, samples, rng.random((n // 2, 2)), **hyper(args))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("shape", list(UPDATE_SHAPES))
+def test_update_memory_is_the_peak_of_the_tensors_an_update_holds(shape: str) -> None:
+    """Model, AdamW and two `update` steps built under the live-tensor counter: its peak is the estimate's, within
+    3% (seen: ≤ 1%), whichever item dominates (the CPU branch of the AdamW step; CUDA's is the by-hand test's)."""
+    config, flags, prompt_len = UPDATE_SHAPES[shape]
+    config, args = _qwen2(**config), replace(grpo.Args(), group_size=2, prompts_per_step=flags["micro_batch_size"],
+                                             **flags)
+    with LiveTensors() as live:
+        params = _update_twice(config, args, prompt_len)
+    estimate = grpo.update_memory(config, params, args, prompt_len, "cpu")["peak"]
+    assert live.peak == pytest.approx(estimate, rel=0.03), (live.peak, estimate)
+
+
+def test_update_memory_bounds_the_peak_rss_of_an_update() -> None:
+    """The whole process, as the log-prob test measures it: peak RSS over two `update` steps in a fresh process, above
+    its RSS just before the model is built (the peak is reset there: the imports' own can be higher), at micro-batches
+    of 4 and 8 (logits-dominated; fp32, as bf16 matmuls are slow on this CPU). RSS exceeds the estimate by a constant
+    (seen: 23 MB at both sizes: kernel libraries' code and buffers) and grows with the micro-batch as the estimate
+    does (seen: 0.996–1.000×)."""
+    code = """
+import json, re, sys
+from dataclasses import replace
+sys.path.insert(0, "tests")
+import grpo
+from test_grpo import _qwen2, _update_twice
+hwm = lambda: int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read())[1]) * 1024  # peak RSS
+config, args = _qwen2(**json.loads(sys.argv[1])), replace(grpo.Args(), **json.loads(sys.argv[2]))
+open("/proc/self/clear_refs", "w").write("5")  # peak RSS := RSS now (the imports' peak can be higher)
+base = hwm()
+params = _update_twice(config, args, 16)
+print(json.dumps([hwm() - base, grpo.update_memory(config, params, args, 16, "cpu")["peak"]]))
+"""
+    config = dict(vocab_size=32768, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    rss, estimate = {}, {}
+    for b in (4, 8):
+        flags = dict(dtype="float32", micro_batch_size=b, max_new_tokens=64, group_size=2, prompts_per_step=b,
+                     gradient_checkpointing=False)
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(config), json.dumps(flags)], cwd=ROOT,
+                             capture_output=True, text=True, check=True, env=env).stdout
+        rss[b], estimate[b] = json.loads(out)
+        assert 0 < rss[b] - estimate[b] < 40e6, (b, rss[b], estimate[b])
+    assert 0.9 < (rss[8] - rss[4]) / (estimate[8] - estimate[4]) < 1.1, (rss, estimate)
+
+
+@pytest.mark.parametrize("size,expected", [(3, [3, 3, 2]), (8, [8]), (20, [8]), (1, [1] * 8)])
+def test_micro_batches_hold_at_most_micro_batch_size_sequences(size: int, expected: list[int],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 sequences (P = 2, G = 4): as few micro-batches as --micro-batch-size allows, none larger, all sequences."""
+    seen = []
+
+    def fake(model: torch.nn.Module, ids: torch.Tensor, am: torch.Tensor, c: int, t: float) -> tuple:
+        seen.append(ids.shape[0])
+        return model.w.expand(ids.shape[0], c) * 1, torch.zeros(ids.shape[0], c)
+
+    monkeypatch.setattr(grpo, "completion_logprobs", fake)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(()))
+    policy = SimpleNamespace(model=model, device="cpu", tokenizer=SimpleNamespace(pad_token_id=0))
+    args = grpo.Args(group_size=4, prompts_per_step=2, micro_batch_size=size)
+    samples = [Sample(i // 4, "", [5, 6]) for i in range(8)]
+    grpo.update(policy, torch.optim.SGD(model.parameters(), lr=0.1), None, [[1], [2]], samples,
+                np.arange(8.0).reshape(2, 4), **hyper(args))
+    assert seen == expected
+
+
+def test_the_micro_batch_size_sets_memory_not_the_update(tiny_model: str) -> None:
+    """One micro-batch of 8 sequences or 8 of one: the same loss, gradient and weights (up to float summation order)."""
+    weights = []
+    for size in (8, 1):
+        policy = HFPolicy(tiny_model, "float32", device="cpu")
+        policy.model.requires_grad_(True)
+        optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)  # θ − ∇: AdamW would magnify rounding
+        args = grpo.Args(group_size=4, prompts_per_step=2, micro_batch_size=size, dtype="float32")
+        samples = rollout(policy, ["ab", "cd"], args, 0)
+        rewards = np.arange(8, dtype=float).reshape(2, 4) % 3
+        stats = grpo.update(policy, optimizer, None, policy.encode(["ab", "cd"]), samples, rewards, **hyper(args))
+        weights.append(([p.detach().clone() for p in policy.model.parameters()], stats))
+    for a, b in zip(weights[0][0], weights[1][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert weights[0][1]["grpo/grad_norm"] == pytest.approx(weights[1][1]["grpo/grad_norm"], rel=1e-5)
+
+
 def test_k3_kl_zero_when_policy_is_reference(tiny_model: str) -> None:
     policy, input_ids, attention_mask, mask = _tiny_batch(tiny_model)
     logprobs, _ = grpo.completion_logprobs(policy.model, input_ids, attention_mask, mask.shape[1], 1.0)
@@ -245,7 +478,7 @@ def test_help_runs_without_warnings() -> None:
 def test_smoke_subprocess(tiny_model: str, tmp_path: Path) -> None:
     cmd = [sys.executable, "-W", "error", "grpo.py", "--model", tiny_model, "--out-dir", str(tmp_path / "run"),
            "--steps", "2", "--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "8", "--eval-every",
-           "1", "--eval-prompts", "2", "--beta", "0.05", "--num-iterations", "2", "--grad-accum", "2",
+           "1", "--eval-prompts", "2", "--beta", "0.05", "--num-iterations", "2", "--micro-batch-size", "2",
            "--loss-type", "dapo", "--lr", "1e-3"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -284,7 +517,7 @@ def test_resume_equals_uninterrupted(tiny_model: str, tmp_path: Path, monkeypatc
     # a reward the tiny model can move (Countdown would give all-zero rewards, hence no update to compare)
     monkeypatch.setattr(grpo, "score", lambda task, problem, text: (sum(c.isdigit() for c in text) / 8, False))
     flags = dict(model=tiny_model, group_size=4, prompts_per_step=2, max_new_tokens=8, eval_every=0, save_every=2,
-                 lr=1e-2, beta=0.05, num_iterations=2, grad_accum=2)
+                 lr=1e-2, beta=0.05, num_iterations=2, micro_batch_size=4)
     whole = grpo.main(grpo.Args(**flags, steps=4, out_dir=str(tmp_path / "whole")))
     part = grpo.main(grpo.Args(**flags, steps=2, out_dir=str(tmp_path / "part")))
     assert grpo.main(replace(common.saved_args(grpo.Args, str(part)), steps=4)) == part
