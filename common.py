@@ -462,12 +462,12 @@ def es_memory(path: str, dtype: torch.dtype, master_device: Optional[str]) -> di
     """GPU bytes an ES process with a vLLM engine holds outside the engine's share, by item (docs/vllm.md#memory).
 
     Resident: the staged θ that is loaded into the engine (model dtype, HF names), the fp32 master and θ₀ (model
-    dtype), the last two in host memory with --master-device cpu. Transients, one at a time (PyTorch's caching
-    allocator reuses the blocks of the one before), so their largest counts: perturb's cast(master + σ·ε) holds ε
-    and the fp32 sum of the largest tensor (+ its fp32 master copy, brought over, with --master-device cpu); the
-    update's Σ c_n·ε_n an fp32 accumulator and ε; vLLM 0.32's reload_weights (model_loader/reload/layerwise.py)
-    materializes one module at a time in the model dtype (q/k/v and gate/up fused) before copying it into the
-    engine's tensors. The total adds the CUDA context."""
+    dtype), the last two in host memory with --master-device cpu, and `Master`'s two fp32 scratch buffers of the
+    largest tensor (ε, and θ + σε or the update's sum). Transients, one at a time (PyTorch's caching allocator reuses
+    the blocks of the one before), so their largest counts: with --master-device cpu, perturb brings the largest
+    tensor's fp32 master over; vLLM 0.32's reload_weights (model_loader/reload/layerwise.py) materializes one module
+    at a time in the model dtype (q/k/v and gate/up fused) before copying it into the engine's tensors. The total
+    adds the CUDA context. (--noise-table adds its 4 bytes per entry.)"""
     params = meta_params(path)
     largest = max(p.numel() for p in params.values())
     fused: dict[str, int] = {}  # vLLM's modules: qkv_proj and gate_up_proj hold two or three HF tensors
@@ -476,9 +476,9 @@ def es_memory(path: str, dtype: torch.dtype, master_device: Optional[str]) -> di
         module = module.rsplit(".", 1)[0]
         fused[module] = fused.get(module, 0) + p.numel()
     n, size, on_gpu = sum(p.numel() for p in params.values()), dtype.itemsize, master_device != "cpu"
-    items = {"staged θ": n * size, "fp32 master": 4 * n * on_gpu, "θ₀": n * size * on_gpu,
-             "perturb transient": (8 if on_gpu else 12) * largest, "update transient": 8 * largest,
-             "vLLM reload transient": size * max(fused.values()), "CUDA context": CUDA_CONTEXT}
+    items = {"staged θ": n * size, "fp32 master": 4 * n * on_gpu, "θ₀": n * size * on_gpu, "fp32 scratch": 8 * largest,
+             "master copy transient": 4 * largest * (not on_gpu), "vLLM reload transient": size * max(fused.values()),
+             "CUDA context": CUDA_CONTEXT}
     transient = max(v for k, v in items.items() if k.endswith("transient"))
     return {**items, "total": sum(v for k, v in items.items() if not k.endswith("transient")) + transient}
 

@@ -75,7 +75,7 @@ BUDGET_S = {1: 20, 2: 45, 3: 45, 4: 100, 5: 45, 6: 100, 7: 200, 8: 120, 9: 150}
 MIN_S = 15  # a check with less time left than this is skipped
 OPTIONAL = {"tyro": "command lines (es.py, grpo.py, bench scripts)", "trl": "check 9, bench/grpo_vs_trl.py",
             "datasets": "hub tasks, TRL", "vllm": "check 8, --backend vllm", "math_verify": "GSM8K/MATH-500 scoring",
-            "matplotlib": "curves.png", "accelerate": "nothing here (transformers extras)", "pytest": "the test suite"}
+            "matplotlib": "curves.png", "pytest": "the test suite"}
 TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,  # head size 64
             intermediate_size=1152, vocab_size=512)  # the dry run's stand-ins: tensors > NOISE_CHUNK (several chunks)
 RANDOM_CONFIGS.setdefault("tiny-qwen2", dict(TINY, tie_word_embeddings=True))
@@ -230,8 +230,8 @@ def version(module: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- ES operations
-# Every ES operation of the checks goes through these four: today HFPolicy(es=True) (model = the staged θ, `master`,
-# `base` = θ₀); with the class that will hold the fp32 master, only these lines change.
+# Every ES operation of the checks goes through these four: an HFPolicy (the staged θ, model dtype) and a
+# common.Master (the fp32 master and θ₀), as es.py builds them.
 class ES(NamedTuple):
     ops: Any  # what perturb / restore / update act on
     policy: Any  # generates rollouts with the staged θ
@@ -241,8 +241,9 @@ class ES(NamedTuple):
 
 def es_load(path: str, device: str, master_device: Optional[str] = None, batch_size: int = 64,
             dtype: str = "bfloat16") -> ES:
-    policy = common.HFPolicy(path, dtype, device, es=True, master_device=master_device, batch_size=batch_size)
-    return ES(policy, policy, policy.params, policy.master)
+    policy = common.HFPolicy(path, dtype, device, batch_size=batch_size)
+    master = common.Master(policy.params, master_device)
+    return ES(master, policy, policy.params, master.theta)
 
 
 def es_perturb(es: ES, seed: int, sigma: float) -> None:
@@ -329,11 +330,12 @@ def check_exactness(ctx: Context) -> list[str]:
 
 
 def es_expected(estimate: dict[str, int]) -> dict[str, int]:
-    """The bytes CUDA should count at each step, from common.es_memory's items: the resident staged θ, master and θ₀,
-    plus the step's transient; `cap` is what the preflight leaves PyTorch's allocator (the total less the context)."""
-    resident = estimate["staged θ"] + estimate["fp32 master"] + estimate["θ₀"]
-    return {"load": resident, "perturb": resident + estimate["perturb transient"], "restore": resident,
-            "update": resident + estimate["update transient"], "cap": estimate["total"] - common.CUDA_CONTEXT}
+    """The bytes CUDA should count at each step, from common.es_memory's items: the resident staged θ, master, θ₀ and
+    fp32 scratch, plus perturb's copy of a master kept on the CPU; `cap` is what the preflight leaves PyTorch's
+    allocator (the total less the context)."""
+    resident = estimate["staged θ"] + estimate["fp32 master"] + estimate["θ₀"] + estimate["fp32 scratch"]
+    return {"load": resident, "perturb": resident + estimate["master copy transient"], "restore": resident,
+            "update": resident, "cap": estimate["total"] - common.CUDA_CONTEXT}
 
 
 def es_memory_table(ctx: Context, es: ES, estimate: dict[str, int], held: Optional[int], base: int,
@@ -418,8 +420,8 @@ def check_es(ctx: Context, model: str) -> list[str]:
         estimate = common.es_memory(path, torch.bfloat16, master_device)
         where = "the CPU (--master-device cpu)" if master_device == "cpu" else f"the model's device ({ctx.device})"
         ctx.lines += [f"### master on {where}", "", f"es_memory: {gib(estimate['total'])} GiB in all, with "
-                      f"{gib(common.CUDA_CONTEXT)} of CUDA context and the largest transient of perturb "
-                      f"{gib(estimate['perturb transient'])}, update {gib(estimate['update transient'])}, vLLM reload "
+                      f"{gib(common.CUDA_CONTEXT)} of CUDA context, fp32 scratch {gib(estimate['fp32 scratch'])}, and "
+                      f"the transients of perturb {gib(estimate['master copy transient'])} and vLLM reload "
                       f"{gib(estimate['vLLM reload transient'])} (no vLLM here)", ""]
         free_memory()
         base = allocated(ctx)
@@ -524,8 +526,12 @@ def check_grpo_update(ctx: Context) -> list[str]:
         times = []
         for step in range(2):
             reset_peak(ctx)  # the second step is the steady state
-            times.append(timed(ctx, lambda: grpo.update(policy, optimizer, None, prompt_ids, samples,
-                                                        rng.random((2, s.micro_batch)), args)))
+            times.append(timed(ctx, lambda: grpo.update(
+                policy, optimizer, None, prompt_ids, samples, rng.random((2, s.micro_batch)),
+                scale_rewards=args.scale_rewards, eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta,
+                loss_type=args.loss_type, max_new_tokens=args.max_new_tokens, num_iterations=args.num_iterations,
+                temperature=args.temperature, max_grad_norm=args.max_grad_norm,
+                micro_batch_size=args.micro_batch_size, dtype=common.resolve_dtype(args.dtype, ctx.device))))
         measured = None if peak(ctx) is None else peak(ctx) - base
         params = sum(p.numel() for p in policy.model.parameters())
         estimate = grpo.update_memory(policy.model.config, params, args, s.prompt_len, ctx.device)

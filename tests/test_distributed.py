@@ -114,9 +114,10 @@ def by_hand(size: str) -> tuple[int, int, int]:
 
 
 def test_es_memory_by_hand_for_qwen2_5_1_5b_and_7b(tmp_path: Path) -> None:
-    """Every item written out: bf16 staged θ (2 B/param), fp32 master (4), θ₀ (2); transients of the largest tensor
-    (the embedding): perturb 8 B/element (12 with the master on the CPU), update 8, vLLM's reload 2 (one module in
-    bf16); 1 GiB of CUDA context. The total counts the largest transient once: they come one after another."""
+    """Every item written out: bf16 staged θ (2 B/param), fp32 master (4), θ₀ (2), the master's two fp32 scratch
+    buffers of the largest tensor (the embedding, 8 B/element); transients: with the master on the CPU its copy of
+    the largest tensor (4), vLLM's reload (2: one module in bf16); 1 GiB of CUDA context. The total counts the largest
+    transient once: they come one after another."""
     for size, params in (("1.5b", 1_543_714_304), ("7b", 7_615_616_512)):
         n, largest, module = by_hand(size)
         assert n == params  # the published sizes
@@ -124,11 +125,12 @@ def test_es_memory_by_hand_for_qwen2_5_1_5b_and_7b(tmp_path: Path) -> None:
         for master, on_gpu in ((None, 1), ("cpu", 0)):
             items = common.es_memory(qwen_folder(size, tmp_path), torch.bfloat16, master)
             expected = {"staged θ": 2 * n, "fp32 master": 4 * n * on_gpu, "θ₀": 2 * n * on_gpu,
-                        "perturb transient": (8 if on_gpu else 12) * largest, "update transient": 8 * largest,
+                        "fp32 scratch": 8 * largest, "master copy transient": 4 * largest * (1 - on_gpu),
                         "vLLM reload transient": 2 * module, "CUDA context": context}
-            assert items == {**expected, "total": (2 + 6 * on_gpu) * n + (8 if on_gpu else 12) * largest + context}
+            transient = max(4 * largest * (1 - on_gpu), 2 * module)  # the larger of the two, one at a time
+            assert items == {**expected, "total": (2 + 6 * on_gpu) * n + 8 * largest + transient + context}
     gib = lambda size, master: common.es_memory(qwen_folder(size, tmp_path), torch.bfloat16, master)["total"] / 2**30  # noqa: E731
-    assert [round(gib("1.5b", None), 2), round(gib("7b", None), 2), round(gib("7b", "cpu"), 2)] == [14.24, 61.8, 21.28]
+    assert [round(gib("1.5b", None), 2), round(gib("7b", None), 2), round(gib("7b", "cpu"), 2)] == [14.68, 62.82, 21.28]
 
 
 @pytest.mark.parametrize("shape,fused", [
@@ -148,9 +150,9 @@ def test_vllm_reloads_one_fused_module_at_a_time(shape: dict, fused: str, tmp_pa
 
 def test_a_vllm_es_process_that_cannot_fit_is_refused_before_the_engine_starts(tiny_model: str, tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A faked 80 GiB card. Qwen2.5-1.5B in bf16 needs 14.24 GiB outside the engine's share: vLLM's default 0.92
-    leaves 6.4 GiB, refused in one line before vLLM is imported (the line names the total and the biggest items);
-    0.82 leaves 14.4: fits; 0.83 leaves 13.6: refused. Qwen2.5-7B needs 61.8 GiB: 0.2 leaves 64: fits; 0.25 leaves
+    """A faked 80 GiB card. Qwen2.5-1.5B in bf16 needs 14.68 GiB outside the engine's share: vLLM's default 0.92
+    leaves 6.4 GiB, refused in one line before anything is loaded (the line names the total and the biggest items);
+    0.81 leaves 15.2: fits; 0.82 leaves 14.4: refused. Qwen2.5-7B needs 62.8 GiB: 0.2 leaves 64: fits; 0.25 leaves
     60, which the old 8-bytes-per-parameter check (56.7 GiB) let through, to run out of memory at the first
     perturbation: refused. --master-device cpu: 21.3 GiB."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -160,23 +162,23 @@ def test_a_vllm_es_process_that_cannot_fit_is_refused_before_the_engine_starts(t
     with pytest.raises(SystemExit) as stop:
         common.check_gpu_memory(small, torch.bfloat16, 0.92, None)
     assert str(stop.value.code) == (
-        "error: ES needs 14.2 GiB of GPU memory outside the vLLM engine's share (fp32 master 5.8, staged θ 2.9, θ₀ 2.9, "
-        "perturb transient 1.7, CUDA context 1.0), but --vllm-memory 0.92 leaves 6.4 GiB of 80: lower --vllm-memory, "
+        "error: ES needs 14.7 GiB of GPU memory outside the vLLM engine's share (fp32 master 5.8, staged θ 2.9, θ₀ 2.9, "
+        "fp32 scratch 1.7, CUDA context 1.0, …), but --vllm-memory 0.92 leaves 6.4 GiB of 80: lower --vllm-memory, "
         "or pass --master-device cpu")
-    common.check_gpu_memory(small, torch.bfloat16, 0.82, None)  # fits: no exit
-    with pytest.raises(SystemExit, match=r"needs 14.2 GiB .* --vllm-memory 0.83 leaves 13.6 GiB"):
-        common.check_gpu_memory(small, torch.bfloat16, 0.83, None)
+    common.check_gpu_memory(small, torch.bfloat16, 0.81, None)  # fits: no exit
+    with pytest.raises(SystemExit, match=r"needs 14.7 GiB .* --vllm-memory 0.82 leaves 14.4 GiB"):
+        common.check_gpu_memory(small, torch.bfloat16, 0.82, None)
     common.check_gpu_memory(large, torch.bfloat16, 0.2, None)
-    with pytest.raises(SystemExit, match=r"needs 61.8 GiB .* --vllm-memory 0.25 leaves 60.0 GiB"):
+    with pytest.raises(SystemExit, match=r"needs 62.8 GiB .* --vllm-memory 0.25 leaves 60.0 GiB"):
         common.check_gpu_memory(large, torch.bfloat16, 0.25, None)
     common.check_gpu_memory(large, torch.bfloat16, 0.73, "cpu")  # 21.6 GiB left for 21.3
-    with pytest.raises(SystemExit, match=r"needs 21.3 GiB .*\(staged θ 14.2, perturb transient 6.1, CUDA context 1.0\)"):
+    with pytest.raises(SystemExit, match=r"needs 21.3 GiB .*\(staged θ 14.2, fp32 scratch 4.1, master copy transient 2.0, CUDA context 1.0\)"):
         common.check_gpu_memory(large, torch.bfloat16, 0.74, "cpu")
     import es  # es.py checks before it loads a model or writes its run directory
 
     monkeypatch.setattr(es, "HFPolicy", lambda *a, **k: pytest.fail("the model was loaded before the check"))
-    with pytest.raises(SystemExit, match=r"needs 14.2 GiB"):
-        es.main(es.Args(model=small, backend="vllm", task="arith", out_dir=str(tmp_path / "run")))
+    with pytest.raises(SystemExit, match=r"needs 14.7 GiB"):
+        es.main(es.Args(model=small, backend="vllm", vllm_memory=0.92, task="arith", out_dir=str(tmp_path / "run")))
     assert not (tmp_path / "run").exists()
 
 
