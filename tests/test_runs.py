@@ -233,3 +233,41 @@ def test_sigterm_ends_a_run_like_ctrl_c(tiny_model: str, tmp_path: Path) -> None
     done = max(step_of(r) for r in rows(out))
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
     assert (out / "checkpoints" / f"step_{done:06d}" / "state.json").is_file()
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "tensorboard"])
+def test_a_tracker_gets_the_rows_of_metrics_jsonl(tracker: str, tiny_model: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """--tracker wandb|tensorboard (imported only when asked for; stand-ins here): every numeric value of every
+    metrics.jsonl row reaches it under the same key and step."""
+    import types
+
+    import es
+
+    seen: list[tuple[str, float, int]] = []
+    if tracker == "wandb":
+        module = types.ModuleType("wandb")
+        module.init = lambda **kwargs: seen.append(("init", kwargs["config"]["pop"], 0))
+        module.log = lambda row, step: seen.extend((k, v, step) for k, v in row.items())
+        monkeypatch.setitem(sys.modules, "wandb", module)
+    else:
+        module = types.ModuleType("torch.utils.tensorboard")
+
+        class Writer:
+            def __init__(self, folder: str) -> None:
+                seen.append(("init", Path(folder).name, 0))
+
+            def add_scalar(self, key: str, value: float, step: int) -> None:
+                seen.append((key, value, step))
+
+            def flush(self) -> None:
+                pass
+
+        module.SummaryWriter = Writer
+        monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    run_dir = es.main(es.Args(model=tiny_model, pop=2, prompts_per_iter=2, max_new_tokens=2, iterations=2,
+                              eval_every=1, eval_prompts=2, tracker=tracker, out_dir=str(tmp_path / "run")))
+    assert seen[0] == ("init", 2 if tracker == "wandb" else "tensorboard", 0)
+    logged = [(k, v, r["step"]) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              for r in [json.loads(line)] for k, v in r.items() if k != "step"]
+    assert seen[1:] == logged and len(logged) > 10
