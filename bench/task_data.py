@@ -6,6 +6,7 @@ experiments (README "Results (CPU, SmolLM2-135M)") train on easier variants that
   countdown   common.make_countdown with other sizes/ranges; records {numbers, target}; `--task countdown`.
   arith       one- or two-step word problems in GSM8K's format (question, answer "… #### N"); `--task gsm8k`, scored by
               GSM8K's rule (\\boxed{} answer, else the last number). Templates below; --max-number sets the size.
+  sums        the `arith` task's "What is a ± b?" (common.make_arith) with other number ranges; `--task arith`.
 
 Train and test are disjoint (one seeded pool, split at the end):
 
@@ -25,15 +26,15 @@ from typing import Callable, Literal
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import die, make_countdown  # noqa: E402
+from common import die, make_arith as make_sums, make_countdown  # noqa: E402
 
 
 @dataclass
 class Args:
     out: str
     """output folder (train.jsonl, test.jsonl); must not exist yet"""
-    kind: Literal["countdown", "arith"] = "arith"
-    """countdown: {numbers, target} records; arith: GSM8K-format two-step word problems"""
+    kind: Literal["countdown", "arith", "sums"] = "arith"
+    """countdown: {numbers, target} records; arith: GSM8K-format word problems; sums: "What is a ± b?" """
     sizes: tuple[int, ...] = (3,)
     """countdown: how many numbers a problem has (one drawn per problem)"""
     max_number: int = 10
@@ -97,6 +98,9 @@ def main(args: Args) -> None:
     if args.kind == "countdown":
         rows = [{"numbers": list(p.numbers), "target": p.target} for p in make_countdown(
             total, seed=args.seed, sizes=args.sizes, max_number=args.max_number, max_target=args.max_target)]
+    elif args.kind == "sums":
+        rows = [{"question": p.question, "answer": f"#### {p.answer}"}
+                for p in make_sums(total, args.seed, max_number=args.max_number)]
     else:
         rows = make_arith(total, args.seed, args.max_number, args.steps)
     tmp = out.with_name(out.name + ".tmp")

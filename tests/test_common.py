@@ -130,6 +130,18 @@ def test_update_from_regenerated_noise_equals_stored_noise(tiny_model: str) -> N
     assert all(torch.equal(master.params[k], master.theta[k]) for k in master.params)  # model = cast(master)
 
 
+def test_sync_weights_into_an_hf_engine_copies_other_weights_and_skips_its_own(tiny_model: str) -> None:
+    """sync_weights(engine, weights): an HFPolicy engine takes other HF-named weights (eval_passk's θ_τ, another
+    model), cast to its dtype; its own parameters (ES and GRPO on the HF backend) are left alone, not copied."""
+    engine = HFPolicy(tiny_model, "bfloat16", "cpu")
+    other = {k: torch.full_like(p, 0.25, dtype=torch.float32) for k, p in engine.params.items()}
+    common.sync_weights(engine, other)
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p.float(), other[k]) for k, p in engine.params.items())
+    pointers = {k: p.data_ptr() for k, p in engine.params.items()}
+    common.sync_weights(engine, engine.params)
+    assert {k: p.data_ptr() for k, p in engine.params.items()} == pointers
+
+
 def test_a_noise_table_gives_slices_at_seeded_offsets(tiny_model: str) -> None:
     """[OpenAI-ES] §2.3: ε(seed, tensor) = table[o : o + n] with o = derive_seed(seed, name) mod (T − n + 1); the
     table is the same for the same seed (a resumed run regenerates it), and perturb / update use those slices."""

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -27,6 +28,13 @@ sys.path.insert(0, {root!r})
 import common, {script}
 {script}.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)
 targets = {{int(x) for x in os.environ.get("INTERRUPT_IN_UPDATE", "").split(",") if x}}
+if "INTERRUPT_IN_EVAL" in os.environ:  # Ctrl-C while the center is evaluated after this update
+    evaluate, step = {script}.evaluate, int(os.environ["INTERRUPT_IN_EVAL"])
+    def evaluate_with_interrupt(*args, **kwargs):
+        if args[-1] == f"eval θ_{{step}}":
+            os.kill(os.getpid(), signal.SIGINT)
+        return evaluate(*args, **kwargs)
+    {script}.evaluate = evaluate_with_interrupt
 if {script!r} == "es":
     owner = getattr(common, "Master", None) or common.HFPolicy  # the class that applies the ES update
     original = owner.add_noise
@@ -55,8 +63,10 @@ def runner(tmp_path: Path, script: str = "es") -> Path:
     return path
 
 
-def run(tmp_path: Path, *argv: str, interrupt: str = "", script: str = "es") -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "INTERRUPT_IN_UPDATE": interrupt}
+def run(tmp_path: Path, *argv: str, interrupt: str = "", script: str = "es",
+        interrupt_eval: Optional[int] = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "INTERRUPT_IN_UPDATE": interrupt,
+           **({"INTERRUPT_IN_EVAL": str(interrupt_eval)} if interrupt_eval else {})}
     return subprocess.run([sys.executable, str(runner(tmp_path, script)), *argv], cwd=ROOT, capture_output=True,
                           text=True, env=env, timeout=600,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # see test_es's Ctrl-C
@@ -117,6 +127,18 @@ def test_ctrl_c_inside_an_update_then_two_resumes_equal_the_uninterrupted_run(ti
     assert_same_run(uninterrupted, out, 6)
 
 
+def test_ctrl_c_during_an_evaluation_is_redone_on_resume(tiny_model: str, tmp_path: Path,
+                                                          uninterrupted: Path) -> None:
+    """Ctrl-C while θ_4 is evaluated: update 4 is saved, its evaluation row is missing, and the resumed run evaluates
+    θ_4 before it goes on: the log equals the uninterrupted run's."""
+    out = tmp_path / "r"
+    ok(run(tmp_path, "--model", tiny_model, *ES_FLAGS, "--iterations", "6", "--save-every", "0", "--out-dir",
+           str(out), interrupt_eval=4), 130)
+    assert not any(step_of(r) == 4 and "eval/reward" in r for r in rows(out))
+    ok(run(tmp_path, "--resume", str(out)))
+    assert_same_run(uninterrupted, out, 6)
+
+
 def test_a_kill_at_any_instant_then_resume_equals_the_uninterrupted_run(tiny_model: str, tmp_path: Path,
                                                                         uninterrupted: Path) -> None:
     """SIGKILL (no handler runs) after the 3rd, then the 6th row of metrics.jsonl, with --save-every 1: whatever the
@@ -166,6 +188,9 @@ def test_a_second_resume_keeps_the_first_resumes_flags(tiny_model: str, tmp_path
     last = ok(run(tmp_path, "--resume", str(out)))
     assert "es: 2 iterations" in last.stdout
     assert [step_of(r) for r in rows(out) if "train/reward_mean" in r] == list(range(1, 9))
+    info = json.loads((out / "args.json").read_text())  # the flags it runs with; every earlier invocation kept
+    assert info["args"]["iterations"] == 8 and info["resumed_at_step"] == 6
+    assert [h["args"]["iterations"] for h in info["history"]] == [4, 8] and info["history"][1]["resumed_at_step"] == 4
     assert (out / "checkpoints" / "step_000008").is_dir()
 
 
