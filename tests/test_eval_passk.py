@@ -341,7 +341,7 @@ def test_a_bad_heldout_spec_stops_before_any_model_is_resolved(tmp_path: Path, m
 def test_one_process_scripts_refuse_torchrun(script: str, tmp_path: Path) -> None:
     """Under torchrun every rank of these one-process scripts would take GPU 0 and write the same run directory."""
     out = subprocess.run([sys.executable, script, "--out-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
-                         text=True, env={**os.environ, "WORLD_SIZE": "2"})
+                         text=True, env={**os.environ, "WORLD_SIZE": "2"}, timeout=120)
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
         f"error: {script} runs in one process (WORLD_SIZE is 2): start it with python, not torchrun")
     assert not (tmp_path / "run").exists()
