@@ -5,8 +5,10 @@ scripts parse; the Quickstart's training commands run end to end with a tiny mod
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import importlib.util
+import json
 import re
 import shlex
 import subprocess
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import tyro
+import common
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -92,7 +94,12 @@ def test_every_command_in_the_docs_is_current(doc: str, command: str, tmp_path: 
         script, argv = found
         assert (ROOT / script).is_file(), script
         module = load_script(script)
-        args = tyro.cli(module.Args, args=argv)  # flags, choices and types, by the script's own parser
+        if "--resume" in argv:  # a run to resume, as its first invocation with the defaults left it
+            run = tmp_path / argv[argv.index("--resume") + 1]
+            run.mkdir(parents=True)
+            (run / "args.json").write_text(json.dumps({"args": dataclasses.asdict(module.Args())}))
+        monkeypatch.setattr(sys, "argv", [script, *argv])
+        args = common.cli(module.Args)  # flags, choices and types, by the script's own parser; --resume applied
         if hasattr(module, "check_args"):
             module.check_args(args)  # ranges (no model is loaded)
     elif words[0] in ("bash", "sh"):
