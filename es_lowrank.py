@@ -5,7 +5,7 @@ The update ([EGGROLL] §3, on es.py's loop, seeds and z-score). Per iteration t,
 inside the transformer blocks:
 
     s_n = seed(run seed, t, n)                   es.member_seeds, as in es.py
-    [A_n; B_n] ~ N(0, 1), (out + in) × r         regenerated from (s_n, tensor name) in fp32 (common.noise), never stored
+    [A_n; B_n] ~ N(0, 1), (out + in) × r         from (s_n, tensor name) in fp32 (common.noise), never stored
     ε_n = A_n·B_nᵀ / √r                          rank r; the 1/√r keeps each element's variance 1, as es.py's ε has
     R_n = mean_x reward(W + σ·ε_n, x)           all N×P rows in one batched generate; row b belongs to member b // P
     Z_n = (R_n − mean R) / (std R + 1e-8)       es.zscore; std R = 0 → no update
@@ -122,7 +122,8 @@ def write_adapter(folder: Path, params: Weights, seed: int, coef: float, r: int)
     for name in targets(params):
         a, b = factors(seed, name, params[name], r)
         module = "base_model.model." + name.removesuffix(".weight")
-        tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"] = b.T.contiguous().cpu(), (coef * a).cpu()
+        tensors[f"{module}.lora_A.weight"] = b.T.contiguous().cpu()  # (r, in)
+        tensors[f"{module}.lora_B.weight"] = (coef * a).cpu()  # (out, r)
     folder.mkdir(parents=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     modules = sorted({name.split(".")[-2] for name in targets(params)})  # q_proj, k_proj, …
@@ -154,7 +155,8 @@ def evaluate_population(engine: HFPolicy | VLLMPolicy, master: Master, prompts: 
                     t1 = time.perf_counter()
                     samples = engine.generate(rows, **options)
             else:
-                folders = [write_adapter(Path(tmp) / str(n), master.params, seeds[n], c, r) for n, c in zip(group, coefs)]
+                folders = [write_adapter(Path(tmp) / str(n), master.params, seeds[n], c, r)
+                           for n, c in zip(group, coefs)]
                 t1 = time.perf_counter()
                 samples = engine.generate(rows, loras=[folders[b // size] for b in range(len(rows))], **options)
             for x in samples:

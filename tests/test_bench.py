@@ -1,5 +1,5 @@
-"""bench/task_data.py (the CPU experiments' task variants), bench/plot_curves.py, bench/paired_greedy.py and
-bench/es_iteration.py."""
+"""bench/task_data.py (the CPU experiments' task variants), bench/plot_curves.py, bench/paired_greedy.py,
+bench/es_iteration.py and bench/es_lowrank_speed.py."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import common  # noqa: E402
 import es_iteration  # noqa: E402
+import es_lowrank_speed  # noqa: E402
 import eval_passk  # noqa: E402
 import paired_greedy  # noqa: E402
 import plot_curves  # noqa: E402
@@ -149,3 +150,13 @@ def test_the_accumulating_update_is_the_regenerating_one(tiny_model: str) -> Non
     assert moved  # the update ran
     for k in thetas[0]:
         torch.testing.assert_close(thetas[1][k], thetas[0][k], rtol=0, atol=1e-6)
+
+
+def test_es_lowrank_speed_times_both_kinds_on_the_same_tokens(tiny_model: str) -> None:
+    """bench/es_lowrank_speed.py on the tiny model: full-rank uses N generate calls, low-rank one, every row makes
+    N·P·T tokens, and the table names the command that reproduces it."""
+    text = es_lowrank_speed.main(es_lowrank_speed.Args(model=tiny_model, runs=("full:2", "low:2", "low:4"), prompts=2,
+                                                       max_new_tokens=3, threads=1))
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith(("| full", "| low"))]
+    assert [(r[1], r[3], r[-1].rstrip(" |")) for r in rows] == [("2", "2", "12"), ("2", "1", "12"), ("4", "1", "24")]
+    assert "command: python bench/es_lowrank_speed.py" in text and "CPU model:" in text

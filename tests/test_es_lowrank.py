@@ -39,7 +39,9 @@ def test_targets_are_the_block_matrices_of_the_tiny_llama(tiny_model: str) -> No
     assert "model.embed_tokens.weight" not in names and not any("norm" in k for k in names)
     a, b = lr.factors(3, names[0], params[names[0]], 2)
     assert a.shape == (params[names[0]].shape[0], 2) and b.shape == (params[names[0]].shape[1], 2)
-    assert a.dtype == torch.float32 and not torch.equal(a, lr.factors(3, names[1], params[names[1]], 2)[0][:len(a)])
+    q0, q1 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"  # equal shapes
+    assert a.dtype == torch.float32 and not torch.equal(lr.factors(3, q0, params[q0], 2)[0],
+                                                        lr.factors(3, q1, params[q1], 2)[0])  # i.i.d. across tensors
 
 
 @pytest.mark.parametrize("r", [1, 3])
@@ -69,31 +71,30 @@ def test_batched_members_have_the_logits_of_their_materialised_models(tiny_model
 
 def test_population_rows_go_to_their_members_however_they_are_batched(tiny_model: str) -> None:
     """evaluate_population: row n of the rewards holds member n's greedy completions, the same texts as member n's
-    materialised model generates alone, whether the 5 members share one batch, go 2 per batch, or 1 per batch cut into
-    chunks of 3 prompts (HFPolicy.generate's own chunking); θ is untouched."""
+    materialised model θ + sign_n·σ/√r·A_n·B_nᵀ generates alone (6 antithetic members, rank 2), whether the members
+    share one batch, go 2 per batch, or 1 per batch cut into chunks of 3 prompts (HFPolicy.generate's own chunking);
+    θ is untouched."""
     policy = HFPolicy(tiny_model, "float32", "cpu")
     master = Master(policy.params)
     before = {k: p.clone() for k, p in policy.params.items()}
-    seeds, signs = es.member_seeds(1, 0, 5, antithetic=False)
+    seeds, signs = es.member_seeds(1, 0, 6, antithetic=True)
     expected = []
-    for n, seed in enumerate(seeds):
-        materialise(master, seed, 0.05, 1)
+    for seed, sign in zip(seeds, signs):
+        materialise(master, seed, sign * 0.05 / math.sqrt(2), 2)
         expected.append([x.text for x in policy.generate(PROMPTS, max_new_tokens=6)])
         master.restore()
-    assert len({tuple(t) for t in expected}) > 1  # members generate different texts
+    assert len({tuple(t) for t in expected}) == 6  # every member generates its own texts
+    by_hand = [[sum(map(ord, t)) + i for i, t in enumerate(row)] for row in expected]
     for batch_size in (64, 8, 3):
         policy.batch_size = batch_size
-        order = []
 
         def reward(i: int, text: str) -> tuple[float, bool]:
-            order.append(text)
             return float(sum(map(ord, text)) + i), i % 2 == 1
 
         rewards, correct, perf = lr.evaluate_population(policy, master, PROMPTS, reward, seeds, signs, 0.05, 6, 0.0,
-                                                        [0] * 5)
-        by_hand = [[sum(map(ord, t)) + i for i, t in enumerate(row)] for row in expected]
+                                                        [0] * 6, r=2)
         assert rewards.tolist() == by_hand, batch_size
-        assert correct.tolist() == [[0, 1, 0, 1]] * 5 and perf["tokens"] > 0 and len(order) == 20
+        assert correct.tolist() == [[0, 1, 0, 1]] * 6 and perf["tokens"] > 0
     assert all(torch.equal(before[k], p) for k, p in policy.params.items())
 
 
