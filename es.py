@@ -231,9 +231,9 @@ ES_CURVES = (("es/js_succ_bits", "ES: JS diversity (bits)"),)
 
 
 def main(args: Args, population: Callable[..., tuple[np.ndarray, np.ndarray, dict[str, float]]] = evaluate_population,
-         update: Callable[..., dict[str, float]] = es_update) -> Path:
+         update: Callable[..., dict[str, float]] = es_update, lora: Optional[tuple[int, int]] = None) -> Path:
     """Train. `population` and `update` are stages 2 and 4, with the signatures of `evaluate_population` and
-    `es_update`: es_lowrank.py runs this same loop with its own."""
+    `es_update`: es_lowrank.py runs this same loop with its own, and `lora` (adapters, rank) for its vLLM engine."""
     check_args(args)
     rank, world = init_distributed()  # every process holds θ and derives the same seeds; rank 0 logs and saves
     train = load_task(args.task, "train", args.data)[: args.train_size]
@@ -254,7 +254,7 @@ def main(args: Args, population: Callable[..., tuple[np.ndarray, np.ndarray, dic
     if run.checkpoint:
         master.load(run.checkpoint)
     engine = policy if args.backend == "hf" else VLLMPolicy(model, args.dtype, batch_size=args.batch_size,
-                                                            gpu_memory=args.vllm_memory)
+                                                            gpu_memory=args.vllm_memory, lora=lora)
     prompts = [render_prompt(args.task, p, policy.tokenizer, args.chat_template) for p in train]
     say = tqdm.write if rank == 0 else lambda _: None
     size = min(args.prompts_per_iter, len(train))

@@ -18,10 +18,14 @@ Modes:
 Models: the embedded SmolLM2-135M-Instruct and random-init models of a real architecture built from its config
 (`random:qwen2.5-0.5b`, `random:qwen2.5-1.5b`; no download, SmolLM2's tokenizer, whose ids fit Qwen's vocabulary).
 
-Run it (CPU, the Quickstart's size, ~6 min on 2 cores):
-  python bench/es_iteration.py --models smollm2-135m --pop 8 --prompts 8 --max-new-tokens 24
+The prompts are the Quickstart's (arith, chat template). Full-rank modes generate one member (P rows) per call, as
+es.py does; lowrank all N·P rows in one call, as es_lowrank.py does.
+
+Run it (CPU, the Quickstart's size, then low-rank's larger populations; ~15 min on 2 cores):
+  python bench/es_iteration.py --modes regenerate table accumulate lowrank --pops 8 --prompts 8 --max-new-tokens 24
+  python bench/es_iteration.py --modes lowrank --pops 32 64 --prompts 8 --max-new-tokens 24
 GPU (see bench/gpu.sh):
-  python bench/es_iteration.py --models random:qwen2.5-1.5b --dtype bfloat16 --pop 16 --prompts 64 --max-new-tokens 256
+  python bench/es_iteration.py --models random:qwen2.5-1.5b --dtype bfloat16 --pops 16 --prompts 64 --max-new-tokens 256
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ class Args:
     """model dtype; auto = bf16 on GPU, fp32 on CPU (the master is fp32)"""
     device: Optional[str] = None
     """cpu or cuda; default: cuda if available"""
-    pop: int = 8
-    """population size N"""
+    pops: tuple[int, ...] = (8,)
+    """population sizes N, each against its own batched inference of N·P rows"""
     prompts: int = 8
     """prompts per member P"""
     max_new_tokens: int = 24
@@ -108,10 +112,10 @@ def member_rewards(prompts: int) -> Callable[[int, str], tuple[float, bool]]:
 
 
 @torch.no_grad()
-def accumulating_iteration(engine: Any, master: common.Master, prompts: list[str], args: Args,
+def accumulating_iteration(engine: Any, master: common.Master, prompts: list[str], args: Args, pop: int,
                            seconds: dict[str, float], device: str) -> int:
     """The accumulate candidate (module docstring), timed like the others. Returns the tokens generated."""
-    seeds, _ = es.member_seeds(0, 0, args.pop, False)
+    seeds, _ = es.member_seeds(0, 0, pop, False)
     eps, sum_r, sum_1 = ({k: torch.zeros_like(t) for k, t in master.theta.items()} for _ in range(3))  # 12 B/param
     rewards, tokens = [], 0
     for n, seed in enumerate(seeds):
@@ -141,58 +145,52 @@ def accumulating_iteration(engine: Any, master: common.Master, prompts: list[str
     t0 = time.perf_counter()
     r = np.array(rewards)
     for name, theta in master.theta.items():  # Σ Z_n ε_n = (Σ R_n ε_n − mean R·Σ ε_n) / (std R + 1e-8)
-        theta.add_((sum_r[name] - r.mean() * sum_1[name]) / (r.std() + 1e-8), alpha=args.alpha / args.pop)
+        theta.add_((sum_r[name] - r.mean() * sum_1[name]) / (r.std() + 1e-8), alpha=args.alpha / pop)
     master.restore()
     seconds["update"] += time.perf_counter() - t0
     return tokens
 
 
-def es_iteration(engine: Any, master: common.Master, prompts: list[str], args: Args, mode: Mode,
+def es_iteration(engine: Any, master: common.Master, prompts: list[str], args: Args, pop: int, mode: Mode,
                  device: str) -> dict[str, float]:
     """One ES iteration with per-phase timers. Returns seconds per phase and the tokens generated."""
     seconds: dict[str, float] = {}
     if mode == "accumulate":
-        tokens = accumulating_iteration(engine, master, prompts, args, seconds, device)
+        tokens = accumulating_iteration(engine, master, prompts, args, pop, seconds, device)
         return {**seconds, "tokens": tokens}
-    in_update = {"on": False}
-    add_noise, generate, sync_weights = master.add_noise, engine.generate, es.sync_weights
-
-    def update(*a: Any, **k: Any) -> float:
-        in_update["on"] = True
-        try:
-            return add_noise(*a, **k)
-        finally:
-            in_update["on"] = False
-
+    in_update = {"on": False}  # the update's own restore counts as update
+    generate, sync_weights = engine.generate, es.sync_weights
     engine.generate = timed(generate, "rollout", seconds, device)
     master.perturb = timed(master.perturb, "perturb", seconds, device)
     master.restore = timed(master.restore, "restore", seconds, device, skip=lambda: in_update["on"])
-    master.add_noise = timed(update, "update", seconds, device)
     es.sync_weights = timed(sync_weights, "perturb", seconds, device)  # the engine load of each member
     try:
-        seeds, signs = es.member_seeds(0, 0, args.pop, False)
+        seeds, signs = es.member_seeds(0, 0, pop, False)
         evaluate, es_update = es.evaluate_population, es.es_update
         if mode == "lowrank":
             import es_lowrank
 
             evaluate, es_update = es_lowrank.stages(args.rank)
         rewards, _, perf = evaluate(engine, master, prompts, member_rewards(len(prompts)), seeds, signs, args.sigma,
-                                    args.max_new_tokens, 0.0, [0] * args.pop)
-        row = es_update(master, seeds, signs, rewards.mean(1), args.alpha)
+                                    args.max_new_tokens, 0.0, [0] * pop)
+        in_update["on"] = True
+        row = timed(es_update, "update", seconds, device)(master, seeds, signs, rewards.mean(1), args.alpha)
     finally:
         engine.generate, es.sync_weights = generate, sync_weights
-        for name in ("perturb", "restore", "add_noise"):
+        for name in ("perturb", "restore"):
             vars(master).pop(name)
     assert row["es/skipped"] == 0
-    return {**seconds, "tokens": perf["tokens"]}
+    if mode == "lowrank":  # no per-member weight writes: its perturb is drawing the factors and setting the hooks
+        seconds["perturb"] = perf["perturb_s"]  # (vLLM: writing the adapter folders, and the center's sync)
+    return {"restore": 0.0, **seconds, "tokens": perf["tokens"]}
 
 
-def batched_inference(engine: Any, prompts: list[str], args: Args, device: str) -> tuple[float, int]:
+def batched_inference(engine: Any, prompts: list[str], args: Args, pop: int, device: str) -> tuple[float, int]:
     """One plain generate of every member's prompts at once (N·P rows): seconds and tokens."""
-    batch_size, engine.batch_size = engine.batch_size, args.pop * len(prompts)
+    batch_size, engine.batch_size = engine.batch_size, pop * len(prompts)
     sync(device)
     start = time.perf_counter()
-    tokens = sum(len(x.token_ids) for x in engine.generate(prompts * args.pop, max_new_tokens=args.max_new_tokens))
+    tokens = sum(len(x.token_ids) for x in engine.generate(prompts * pop, max_new_tokens=args.max_new_tokens))
     sync(device)
     engine.batch_size = batch_size
     return time.perf_counter() - start, tokens
@@ -205,37 +203,39 @@ def main(args: Args) -> str:
     header = ["model", "params", "backend", "mode", "N×P×T", "ES tok/s", "batched tok/s", "ES / batched",
               "rollout s", "perturb s", "restore s", "update s", "(perturb+restore+update)/rollout"]
     rows = []
-    problems = common.load_task("countdown", "train")[: args.prompts]
-    prompts = [common.render_prompt("countdown", p) for p in problems]
+    problems = common.load_task("arith", "train")[: args.prompts]
     for name in args.models:
         path = resolve_bench_model(name, Path(args.model_dir), args.random_layers, args.tokenizer)
         for backend in args.backends:
             policy = common.HFPolicy(path, args.dtype, device, batch_size=args.prompts)
-            lora = (args.pop, args.rank) if "lowrank" in args.modes else None
+            prompts = [common.render_prompt("arith", p, policy.tokenizer, chat_template=True) for p in problems]
+            lora = (max(args.pops), args.rank) if "lowrank" in args.modes else None
             engine = policy if backend == "hf" else common.VLLMPolicy(
-                path, args.dtype, device, batch_size=args.pop * args.prompts, **({"lora": lora} if lora else {}))
+                path, args.dtype, device, batch_size=max(args.pops) * args.prompts, lora=lora)
             fixed_length(engine)
             engine.generate(prompts[:2], max_new_tokens=2)  # warm-up: first-call allocations, kernels
-            batched_s, batched_tokens = batched_inference(engine, prompts, args, device)
-            for mode in args.modes:
-                table_ = common.noise_table(args.table_size, 0, policy.device) if mode == "table" else None
-                master = common.Master(policy.params, table=table_)
-                s = es_iteration(engine, master, prompts, args, mode, device)
-                total = s["rollout"] + s["perturb"] + s["restore"] + s["update"]
-                overhead = s["perturb"] + s["restore"] + s["update"]
-                rows.append([name, f"{param_count(policy) / 1e6:.0f}M", backend, mode,
-                             f"{args.pop}×{args.prompts}×{s['tokens'] // (args.pop * args.prompts)}",
-                             s["tokens"] / total, batched_tokens / batched_s,
-                             f"{s['tokens'] / total / (batched_tokens / batched_s):.0%}", s["rollout"], s["perturb"],
-                             s["restore"], s["update"], f"{overhead / s['rollout']:.1%}"])
-                del master, table_
+            for pop in args.pops:
+                batched_s, batched_tokens = batched_inference(engine, prompts, args, pop, device)
+                for mode in args.modes:
+                    table_ = common.noise_table(args.table_size, 0, policy.device) if mode == "table" else None
+                    master = common.Master(policy.params, table=table_)
+                    policy.batch_size = pop * args.prompts if mode == "lowrank" else args.prompts  # calls as the scripts
+                    s = es_iteration(engine, master, prompts, args, pop, mode, device)
+                    total = s["rollout"] + s["perturb"] + s["restore"] + s["update"]
+                    overhead = s["perturb"] + s["restore"] + s["update"]
+                    rows.append([name, f"{param_count(policy) / 1e6:.0f}M", backend, mode,
+                                 f"{pop}×{args.prompts}×{s['tokens'] // (pop * args.prompts)}",
+                                 s["tokens"] / total, batched_tokens / batched_s,
+                                 f"{s['tokens'] / total / (batched_tokens / batched_s):.0%}", s["rollout"],
+                                 s["perturb"], s["restore"], s["update"], f"{overhead / s['rollout']:.1%}"])
+                    del master, table_
             if engine is not policy:
                 engine.close()
             del policy, engine
     lines += [table(header, rows), "", f"after: {machine_line(device)}",
               f"command: python bench/es_iteration.py --models {' '.join(args.models)} --backends "
-              f"{' '.join(args.backends)} --modes {' '.join(args.modes)} --pop {args.pop} --prompts {args.prompts} "
-              f"--max-new-tokens {args.max_new_tokens} --dtype {args.dtype} --threads {threads}"
+              f"{' '.join(args.backends)} --modes {' '.join(args.modes)} --pops {' '.join(map(str, args.pops))} "
+              f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --dtype {args.dtype} --threads {threads}"
               + (f" --random-layers {args.random_layers}" if args.random_layers else "")]
     return emit(lines, args.out)
 

@@ -541,7 +541,7 @@ def check_grpo_update(ctx: Context) -> list[str]:
                      ", ".join(f"{k} {gib(estimate[k])}" for k in top)])
         ctx.confirm("grpo-memory", f"update peak, micro-batch {s.micro_batch} × {s.prompt_len}+{s.grpo_tokens} "
                     f"tokens, checkpointing {rows[-1][0]}", f"{rows[-1][3]} of update_memory ({rows[-1][1]} GiB)")
-        del policy, optimizer
+        policy = optimizer = None  # freed before the next configuration loads
     free_memory()
     return [f"random {s.es_models[0]}, micro-batches of {s.micro_batch} sequences of {s.prompt_len} + "
             f"{s.grpo_tokens} tokens (completions of {s.grpo_tokens} and {s.grpo_tokens - 1}: padded rows), "

@@ -1,4 +1,4 @@
-"""bench/task_data.py (the CPU experiments' task variants), bench/plot_curves.py, bench/paired_greedy.py and
+"""bench/task_data.py (the CPU experiments' task variants), bench/plot_curves.py, bench/paired_greedy.py,
 bench/es_iteration.py."""
 
 from __future__ import annotations
@@ -134,13 +134,13 @@ def test_the_accumulating_update_is_the_regenerating_one(tiny_model: str) -> Non
     fixed-length generation makes both runs produce N·P·T tokens."""
     import torch
 
-    args = es_iteration.Args(pop=4, prompts=2, max_new_tokens=3, sigma=0.05, alpha=0.1)
+    args = es_iteration.Args(prompts=2, max_new_tokens=3, sigma=0.05, alpha=0.1)
     prompts, thetas = ["ab", "cd"], []
     for mode in ("regenerate", "accumulate"):
         policy = common.HFPolicy(tiny_model, "float32", "cpu")
         es_iteration.fixed_length(policy)
         master = common.Master(policy.params)
-        s = es_iteration.es_iteration(policy, master, prompts, args, mode, "cpu")
+        s = es_iteration.es_iteration(policy, master, prompts, args, 4, mode, "cpu")
         assert s["tokens"] == 4 * 2 * 3 and s["update"] > 0
         thetas.append(master.theta)
         assert all(torch.equal(policy.params[k], m) for k, m in master.theta.items())  # restored to the new θ
@@ -149,3 +149,15 @@ def test_the_accumulating_update_is_the_regenerating_one(tiny_model: str) -> Non
     assert moved  # the update ran
     for k in thetas[0]:
         torch.testing.assert_close(thetas[1][k], thetas[0][k], rtol=0, atol=1e-6)
+
+
+def test_es_iteration_table_has_a_row_per_population_and_mode(tiny_model: str) -> None:
+    """bench/es_iteration.py on the tiny model: a row per (N, mode), each generating exactly N·P·T tokens (the N×P×T
+    column is measured: tokens // (N·P)), a ratio to batched inference, and the command that reproduces the table."""
+    text = es_iteration.main(es_iteration.Args(models=(tiny_model,), modes=("regenerate", "lowrank"), pops=(2, 4),
+                                               prompts=2, max_new_tokens=3, threads=1))
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith(f"| {tiny_model}")]
+    assert [(r[3], r[4]) for r in rows] == [("regenerate", "2×2×3"), ("lowrank", "2×2×3"), ("regenerate", "4×2×3"),
+                                           ("lowrank", "4×2×3")]
+    assert all(r[7].endswith("%") and float(r[5]) > 0 for r in rows)
+    assert "--modes regenerate lowrank --pops 2 4 --prompts 2 --max-new-tokens 3" in text

@@ -263,7 +263,7 @@ def test_bad_flags_stop_before_anything_is_loaded_or_written(flags: list[str], m
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("script", ["es.py"])
+@pytest.mark.parametrize("script", ["es.py", "es_lowrank.py"])
 def test_help_exits_zero_with_warnings_as_errors(script: str) -> None:
     result = run_script("-W", "error", script, "--help")
     assert "--pop" in result.stdout or "--help" in result.stdout

@@ -69,14 +69,14 @@ def docstring_commands(script: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip().startswith(("python ", "torchrun "))]
 
 
-SCRIPTS = ("es.py", "grpo.py", "grpo_es.py", "eval_passk.py")
+SCRIPTS = ("es.py", "es_lowrank.py", "grpo.py", "grpo_es.py", "eval_passk.py")
 ALL = [(doc.name, command) for doc in DOCS for command in shell_commands(doc.read_text())] + [
     (script, command) for script in SCRIPTS for command in docstring_commands(script)]
 
 
 def test_the_file_table_counts_the_lines_of_today() -> None:
     counts = dict(re.findall(r"^\| \[`([\w.]+)`\]\(\1\) \| (\d+) \|", (ROOT / "README.md").read_text(), re.M))
-    assert set(counts) == {"es.py", "grpo.py", "grpo_es.py", "eval_passk.py", "common.py"}
+    assert set(counts) == {"es.py", "es_lowrank.py", "grpo.py", "grpo_es.py", "eval_passk.py", "common.py"}
     assert {f: int(n) for f, n in counts.items()} == {f: len((ROOT / f).read_text().splitlines()) for f in counts}
 
 
@@ -114,9 +114,10 @@ def test_every_command_in_the_docs_is_current(doc: str, command: str, tmp_path: 
 
 README = (ROOT / "README.md").read_text()
 QUICKSTART = [script_argv(c) for c in shell_commands(README.split("## Files")[0])]
-CPU_SIZED = [found for c in shell_commands(README) if (found := script_argv(c))
-             and found[0] in ("es.py", "grpo.py", "grpo_es.py") and not {"--model", "--resume"} & set(found[1])]
+CPU_SIZED = [found for c in shell_commands(README) if (found := script_argv(c)) and found[0] in (
+    "es.py", "es_lowrank.py", "grpo.py", "grpo_es.py") and not {"--model", "--resume"} & set(found[1])]
 TINY = {"es.py": ["--iterations", "2", "--pop", "2", "--prompts-per-iter", "2"],
+        "es_lowrank.py": ["--iterations", "2", "--pop", "2", "--prompts-per-iter", "2"],
         "grpo.py": ["--steps", "2", "--group-size", "2", "--prompts-per-step", "2"],
         "grpo_es.py": ["--total-updates", "2", "--es.pop", "2", "--es.prompts-per-iter", "2", "--grpo.group-size", "2",
                        "--grpo.prompts-per-step", "2"]}
@@ -125,13 +126,14 @@ TINY = {"es.py": ["--iterations", "2", "--pop", "2", "--prompts-per-iter", "2"],
 def test_the_quickstart_trains_with_es() -> None:
     quick = [q for q in QUICKSTART if q]
     assert [script for script, _ in quick] == ["es.py"] and quick[0] in CPU_SIZED
-    assert {script for script, _ in CPU_SIZED} == {"es.py", "grpo.py", "grpo_es.py"}  # the same size for all three
+    assert {script for script, _ in CPU_SIZED} == {"es.py", "es_lowrank.py", "grpo.py", "grpo_es.py"}  # one size
 
 
 @pytest.mark.parametrize("script,argv", CPU_SIZED, ids=[s for s, _ in CPU_SIZED])
 def test_the_cpu_sized_training_commands_run(script: str, argv: list[str], tiny_model: str, tmp_path: Path) -> None:
-    """The README's CPU-sized es.py / grpo.py / grpo_es.py commands as written, with the tiny random model and tiny
-    sizes appended (tyro keeps the last value of a flag): each exits 0 and leaves its curves and weights."""
+    """The README's CPU-sized es.py / es_lowrank.py / grpo.py / grpo_es.py commands as written, with the tiny random
+    model and tiny sizes appended (tyro keeps the last value of a flag): each exits 0 and leaves its curves and
+    weights."""
     result = subprocess.run([sys.executable, script, *argv, "--model", tiny_model, *TINY[script], "--max-new-tokens",
                              "4", "--eval-every", "1", "--eval-prompts", "2", "--out-dir", str(tmp_path / "run")],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)

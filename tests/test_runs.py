@@ -19,32 +19,34 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A stand-in policy: es.py (or grpo.py) with a reward that differs between members (a hash of the completion), so
-# that every iteration really updates θ, and with SIGINT sent to itself inside the update of the iterations listed
-# in $INTERRUPT_IN_UPDATE (the update holds Ctrl-C back until it is done: the signal arrives mid-update).
+# A stand-in policy: es.py, es_lowrank.py or grpo.py with a reward that differs between members (a hash of the
+# completion), so that every iteration really updates θ, and with SIGINT sent to itself inside the update of the
+# iterations listed in $INTERRUPT_IN_UPDATE (the update holds Ctrl-C back until it is done: the signal arrives
+# mid-update).
 RUNNER = """
 import os, signal, sys, zlib
 sys.path.insert(0, {root!r})
-import common, {script}
-{script}.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)
+import common, es, {script}
+scored = es if {script!r} == "es_lowrank" else {script}  # es_lowrank runs es.main, which scores with es.score
+scored.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)
 targets = {{int(x) for x in os.environ.get("INTERRUPT_IN_UPDATE", "").split(",") if x}}
 if "INTERRUPT_IN_EVAL" in os.environ:  # Ctrl-C while the center is evaluated after this update
-    evaluate, step = {script}.evaluate, int(os.environ["INTERRUPT_IN_EVAL"])
+    evaluate, step = scored.evaluate, int(os.environ["INTERRUPT_IN_EVAL"])
     def evaluate_with_interrupt(*args, **kwargs):
         if args[-1] == f"eval θ_{{step}}":
             os.kill(os.getpid(), signal.SIGINT)
         return evaluate(*args, **kwargs)
-    {script}.evaluate = evaluate_with_interrupt
-if {script!r} == "es":
-    owner = getattr(common, "Master", None) or common.HFPolicy  # the class that applies the ES update
-    original = owner.add_noise
-    def add_noise(self, seeds, *args, **kwargs):
+    scored.evaluate = evaluate_with_interrupt
+if {script!r} in ("es", "es_lowrank"):  # the ES update: Master.add_noise(self, seeds, …) or es_update(master, seeds, …)
+    owner, method = (es_lowrank, "es_update") if {script!r} == "es_lowrank" else (common.Master, "add_noise")
+    original = getattr(owner, method)
+    def update(self, seeds, *args, **kwargs):
         pop = len(seeds)
         for t in targets:  # is this the update of iteration t (1-based)? its member seeds say so
             if list(seeds) == list(es.member_seeds(0, t - 1, pop, False)[0]):
                 os.kill(os.getpid(), signal.SIGINT)
         return original(self, seeds, *args, **kwargs)
-    owner.add_noise = add_noise
+    setattr(owner, method, update)
 else:  # grpo: the step is known from the schedule call that opens it
     schedule, update, current = grpo.schedule, grpo.update, []
     grpo.schedule = lambda seed, t, *args: current.append(t) or schedule(seed, t, *args)
@@ -220,6 +222,22 @@ def test_old_checkpoints_are_pruned_but_epoch_ends_and_the_final_one_stay(tiny_m
     # the tiny Llama: embedding 101×64 + 2 layers × (4096 + 2·2048 + 4096 + 3·8192 + 2·64) + 64 = 80,512 parameters,
     # fp32: 322,048 bytes; 3 epoch ends (the last is the final one) + the newest 2
     assert "checkpoints: 322.0 kB each, at most 5 kept (1.6 MB)" in result.stdout
+
+
+def test_es_lowrank_ctrl_c_inside_an_update_and_a_resume_equal_the_uninterrupted_run(tiny_model: str,
+                                                                                       tmp_path: Path) -> None:
+    """es_lowrank.py runs es.main's loop with its own stages: SIGINT inside update 2, resume, and the final weights
+    (rank-2 noise) and metrics equal an uninterrupted run's."""
+    whole, out = tmp_path / "whole", tmp_path / "r"
+    argv = ["--model", tiny_model, *ES_FLAGS, "--noise-rank", "2", "--iterations", "4", "--save-every", "0"]
+    ok(run(tmp_path, *argv, "--out-dir", str(whole), script="es_lowrank"))
+    first = ok(run(tmp_path, *argv, "--out-dir", str(out), interrupt="2", script="es_lowrank"), 130)
+    assert first.stderr.strip().splitlines()[-1].startswith("interrupted after update 2; checkpoint ")
+    ok(run(tmp_path, "--resume", str(out), script="es_lowrank"))
+    assert json.loads((out / "args.json").read_text())["args"]["noise_rank"] == 2
+    start = load_file(str(Path(tiny_model) / "model.safetensors"))
+    assert any(not torch.equal(v, start[k]) for k, v in weights(whole, 4).items())  # updates were applied
+    assert_same_run(whole, out, 4)
 
 
 GRPO_FLAGS = ["--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "6", "--eval-prompts", "2",
