@@ -23,16 +23,15 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
-import inspect
 import itertools
 import json
 import logging
+import multiprocessing
 import os
 import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -223,7 +222,7 @@ def meta_params(path: str) -> Weights:
         return dict(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).named_parameters())
 
 
-# ---------------------------------------------------------------------------------------------------- 2. noise and master
+# ------------------------------------------------------------------------------------------------ 2. noise and master
 def derive_seed(*parts: Any) -> int:
     """A stable 63-bit seed from any parts (ints, strings); the same on every machine and Python run."""
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
@@ -288,7 +287,8 @@ class Master:
     def __init__(self, params: Weights, device: Optional[str] = None, table: Optional[torch.Tensor] = None):
         self.params, self.table = params, table
         self.theta = {k: p.detach().to(device or p.device, torch.float32, copy=True) for k, p in params.items()}
-        self.theta0 = {k: p.detach().to(device or p.device, copy=True) for k, p in params.items()}  # exact: θ = fp32(θ₀)
+        # θ₀ in the model's dtype, exact: θ = fp32(θ₀) at the start
+        self.theta0 = {k: p.detach().to(device or p.device, copy=True) for k, p in params.items()}
         largest = max(p.numel() for p in params.values())
         some = next(iter(params.values()))
         # scratch: ε, and θ + σε (or the update's sum); reused, so no tensor is allocated per draw
@@ -807,47 +807,47 @@ def _math_verify(gold: str, completion: str, task: Task) -> Optional[bool]:
     can spin for hours in C on hostile text (`9^{9^{9^{9}}}`) where math-verify's signal-based timeout cannot stop it,
     and signals do not work off the main thread at all. A killed or dead worker is replaced on the next call."""
     with _verifier_lock:
-        if "process" not in _verifier or _verifier["process"].poll() is not None:
+        if "process" not in _verifier or not _verifier["process"].is_alive():
             _start_verifier()
         with contextlib.suppress(EOFError, OSError):  # the worker died (out of memory, say)
             _verifier["conn"].send((gold, completion, task))
             if _verifier["conn"].poll(VERIFY_TIMEOUT_S):
                 return _verifier["conn"].recv()
         process = _verifier.pop("process")
-        process.kill()  # SIGKILL: sympy stuck in C code answers nothing else
-        process.wait()
+        process.terminate()  # SIGTERM, then SIGKILL if it is still there a second later
+        process.join(1)
+        process.kill()
+        process.join()
         return None
 
 
 def _start_verifier() -> None:
-    """Start the worker: a fresh interpreter that runs `_verify_loop`'s source alone, so it imports math-verify but
-    neither torch nor the main script (~2 s), in a session of its own (Ctrl-C at the terminal is for the parent), and
-    talks over a socket pair: when the parent exits, the worker reads EOF and ends too."""
-    ours, theirs = socket.socketpair()
-    source = (f"from __future__ import annotations\nimport contextlib, logging\n{inspect.getsource(_verify_loop)}\n"
-              f"_verify_loop({theirs.fileno()})")
-    process = subprocess.Popen([sys.executable, "-c", source], pass_fds=[theirs.fileno()], start_new_session=True)
-    theirs.close()
-    _verifier.update(process=process, conn=Connection(ours.detach()))
+    """Spawn the worker (never fork: the parent has torch or vLLM threads) and wait for its imports, not timed: 7–15 s
+    on a 2-core CPU, as unpickling `_verify_loop` imports this module (torch, transformers) and spawn re-runs the
+    main script as `__mp_main__` (so a script that scores needs `if __name__ == "__main__":`)."""
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    _verifier.update(process=context.Process(target=_verify_loop, args=(child_conn,), daemon=True), conn=conn)
+    _verifier["process"].start()
+    child_conn.close()  # the worker's end lives in the worker only: its death reads as EOF here
     with contextlib.suppress(EOFError):
-        if _verifier["conn"].poll(600) and _verifier["conn"].recv():
+        if conn.poll(600) and conn.recv():
             return
-    die("the math-verify worker process did not start (its error is above)")
+    die("the math-verify worker process did not start (its error is above; a script that trains or scores when "
+        "imported needs `if __name__ == '__main__':`)")
 
 
-def _verify_loop(fd: int) -> None:
-    """The worker of `_math_verify`: a verdict for each (gold, completion, task) it receives on the socket `fd`, until
-    the parent closes its end. math-verify's own time limits are off (None): the parent's clock is the limit."""
-    from multiprocessing.connection import Connection
-
+def _verify_loop(conn: Connection) -> None:
+    """The worker of `_math_verify`: a verdict for each (gold, completion, task) it receives, until the parent exits.
+    math-verify's own time limits are off (None): the parent's clock is the limit."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, LatexNormalizationConfig, parse, verify
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C at the terminal reaches the whole group: it is the parent's
     logging.disable(logging.CRITICAL)  # math-verify logs the whole input on every failure
     # the [ES-LLM] artifact's GSM8K settings: boxed answers first, LaTeX only with an anchor, then expressions
     gsm8k = [LatexExtractionConfig(normalization_config=LatexNormalizationConfig(
         nits=False, malformed_operators=False, basic_latex=True, boxed="all", units=True),
         boxed_match_priority=0, try_extract_without_anchor=False), ExprExtractionConfig()]
-    conn = Connection(fd)
     conn.send(True)  # ready
     with contextlib.suppress(EOFError):
         while True:

@@ -219,7 +219,8 @@ def main(args: Args) -> str:
                 for mode in args.modes:
                     table_ = common.noise_table(args.table_size, 0, policy.device) if mode == "table" else None
                     master = common.Master(policy.params, table=table_)
-                    policy.batch_size = pop * args.prompts if mode == "lowrank" else args.prompts  # calls as the scripts
+                    # generate calls as the scripts make them: low-rank all N·P rows at once, full-rank P per member
+                    policy.batch_size = pop * args.prompts if mode == "lowrank" else args.prompts
                     s = es_iteration(engine, master, prompts, args, pop, mode, device)
                     total = s["rollout"] + s["perturb"] + s["restore"] + s["update"]
                     overhead = s["perturb"] + s["restore"] + s["update"]
@@ -235,7 +236,8 @@ def main(args: Args) -> str:
     lines += [table(header, rows), "", f"after: {machine_line(device)}",
               f"command: python bench/es_iteration.py --models {' '.join(args.models)} --backends "
               f"{' '.join(args.backends)} --modes {' '.join(args.modes)} --pops {' '.join(map(str, args.pops))} "
-              f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --dtype {args.dtype} --threads {threads}"
+              f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens} --dtype {args.dtype} "
+              f"--threads {threads}"
               + (f" --random-layers {args.random_layers}" if args.random_layers else "")]
     return emit(lines, args.out)
 

@@ -176,7 +176,8 @@ def test_es_lowrank_script_smoke(tiny_model: str, tmp_path: Path) -> None:
     run, runner = tmp_path / "run", tmp_path / "hashed_reward_es_lowrank.py"
     runner.write_text(f"import sys, zlib\nsys.path.insert(0, {str(ROOT)!r})\nimport common, es, es_lowrank\n"
                       "es.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)\n"
-                      "es_lowrank.main(common.cli(es_lowrank.Args))\n")
+                      "if __name__ == \"__main__\":  # the spawned math-verify worker imports this file\n"
+                      "    es_lowrank.main(common.cli(es_lowrank.Args))\n")
     result = subprocess.run([sys.executable, str(runner), "--model", tiny_model, "--pop", "4", "--antithetic",
                              "--noise-rank", "2", "--prompts-per-iter", "3", "--max-new-tokens", "8", "--eval-prompts",
                              "3", "--sigma", "0.05", "--alpha", "0.05", "--iterations", "3", "--eval-every", "2",

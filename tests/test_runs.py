@@ -29,33 +29,40 @@ sys.path.insert(0, {root!r})
 import common, es, {script}
 scored = es if {script!r} == "es_lowrank" else {script}  # es_lowrank runs es.main, which scores with es.score
 scored.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)
-targets = {{int(x) for x in os.environ.get("INTERRUPT_IN_UPDATE", "").split(",") if x}}
-if "INTERRUPT_IN_EVAL" in os.environ:  # Ctrl-C while the center is evaluated after this update
-    evaluate, step = scored.evaluate, int(os.environ["INTERRUPT_IN_EVAL"])
-    def evaluate_with_interrupt(*args, **kwargs):
-        if args[-1] == f"eval θ_{{step}}":
-            os.kill(os.getpid(), signal.SIGINT)
-        return evaluate(*args, **kwargs)
-    scored.evaluate = evaluate_with_interrupt
-if {script!r} in ("es", "es_lowrank"):  # the ES update: Master.add_noise(self, seeds, …) or es_update(master, seeds, …)
-    owner, method = (es_lowrank, "es_update") if {script!r} == "es_lowrank" else (common.Master, "add_noise")
-    original = getattr(owner, method)
-    def update(self, seeds, *args, **kwargs):
-        pop = len(seeds)
-        for t in targets:  # is this the update of iteration t (1-based)? its member seeds say so
-            if list(seeds) == list(es.member_seeds(0, t - 1, pop, False)[0]):
+
+
+def patch():
+    targets = {{int(x) for x in os.environ.get("INTERRUPT_IN_UPDATE", "").split(",") if x}}
+    if "INTERRUPT_IN_EVAL" in os.environ:  # Ctrl-C while the center is evaluated after this update
+        evaluate, step = scored.evaluate, int(os.environ["INTERRUPT_IN_EVAL"])
+        def evaluate_with_interrupt(*args, **kwargs):
+            if args[-1] == f"eval θ_{{step}}":
                 os.kill(os.getpid(), signal.SIGINT)
-        return original(self, seeds, *args, **kwargs)
-    setattr(owner, method, update)
-else:  # grpo: the step is known from the schedule call that opens it
-    schedule, update, current = grpo.schedule, grpo.update, []
-    grpo.schedule = lambda seed, t, *args: current.append(t) or schedule(seed, t, *args)
-    def update_with_interrupt(*args, **kwargs):
-        if current[-1] + 1 in targets:
-            os.kill(os.getpid(), signal.SIGINT)
-        return update(*args, **kwargs)
-    grpo.update = update_with_interrupt
-{script}.main(common.cli({script}.Args))
+            return evaluate(*args, **kwargs)
+        scored.evaluate = evaluate_with_interrupt
+    if {script!r} in ("es", "es_lowrank"):  # Master.add_noise(self, seeds, …) or es_lowrank.es_update(master, seeds, …)
+        owner, method = (es_lowrank, "es_update") if {script!r} == "es_lowrank" else (common.Master, "add_noise")
+        original = getattr(owner, method)
+        def update(self, seeds, *args, **kwargs):
+            pop = len(seeds)
+            for t in targets:  # is this the update of iteration t (1-based)? its member seeds say so
+                if list(seeds) == list(es.member_seeds(0, t - 1, pop, False)[0]):
+                    os.kill(os.getpid(), signal.SIGINT)
+            return original(self, seeds, *args, **kwargs)
+        setattr(owner, method, update)
+    else:  # grpo: the step is known from the schedule call that opens it
+        schedule, update, current = grpo.schedule, grpo.update, []
+        grpo.schedule = lambda seed, t, *args: current.append(t) or schedule(seed, t, *args)
+        def update_with_interrupt(*args, **kwargs):
+            if current[-1] + 1 in targets:
+                os.kill(os.getpid(), signal.SIGINT)
+            return update(*args, **kwargs)
+        grpo.update = update_with_interrupt
+
+
+if __name__ == "__main__":  # the math-verify worker is a spawned process: it imports this file and must not run it
+    patch()
+    {script}.main(common.cli({script}.Args))
 """
 
 
@@ -106,7 +113,8 @@ ES_FLAGS = ["--pop", "4", "--prompts-per-iter", "3", "--max-new-tokens", "6", "-
 def uninterrupted(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """es.py for 6 iterations in one go, --save-every 0 (the [ES-LLM] protocol's setting)."""
     tmp = tmp_path_factory.mktemp("whole")
-    ok(run(tmp, "--model", tiny_model, *ES_FLAGS, "--iterations", "6", "--save-every", "0", "--out-dir", str(tmp / "r")))
+    ok(run(tmp, "--model", tiny_model, *ES_FLAGS, "--iterations", "6", "--save-every", "0", "--out-dir",
+           str(tmp / "r")))
     assert weights(tmp / "r", 6)  # the final checkpoint
     start = load_file(str(Path(tiny_model) / "model.safetensors"))
     assert any(not torch.equal(v, start[k]) for k, v in weights(tmp / "r", 6).items())  # updates were applied

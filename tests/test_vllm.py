@@ -285,7 +285,8 @@ def test_torchrun_two_ranks_with_vllm_engines_match_one_hf_process(tmp_path: Pat
     runner = tmp_path / "hashed_reward_es.py"
     runner.write_text(f"import sys, zlib\nsys.path.insert(0, {str(root)!r})\nimport common, es\n"
                       "es.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)\n"
-                      "es.main(common.cli(es.Args))\n")
+                      "if __name__ == \"__main__\":  # the spawned math-verify worker imports this file\n"
+                      "    es.main(common.cli(es.Args))\n")
     flags = ["--task", "arith", "--chat-template", "--pop", "4", "--prompts-per-iter", "4", "--max-new-tokens", "16",
              "--sigma", "1e-2", "--alpha", "5e-3", "--iterations", "1", "--eval-every", "0", "--batch-size", "16"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
