@@ -19,12 +19,15 @@ Deviations from the reference code ([Qiu], VsonicV/es-fine-tuning-paper), and wh
 Defaults follow the [ES-LLM] authors' artifact (GSM8K, Qwen2.5-1.5B-Instruct): N=32, σ=1.5e-3, α=2.5e-4, 64 prompts
 per iteration, 2 epochs in epoch-wise shuffled order, greedy rollouts of ≤ 2048 tokens. The task default is [Qiu]'s
 Countdown. Options beyond both papers, off by default: antithetic ±ε pairs ([ES-LLM] found no gain) and anchored
-weight decay θ ← θ₀ + (1 − αλ)(θ − θ₀) ([AWD]). The JS diversity and coverage are logged for greedy rollouts only:
+weight decay θ ← θ₀ + (1 − αλ)(θ − θ₀) ([AWD]); ε sliced from one shared table instead of drawn per member
+(--noise-table, [OpenAI-ES] §2.3: perturb + update fall from 36 % to 4 % of the Quickstart's rollout time, but the
+members' ε overlap; docs/benchmarks.md). The JS diversity and coverage are logged for greedy rollouts only:
 they need p_i(x) ∈ {0, 1}, which one sampled completion per (member, prompt) does not give.
 
 Backends: `--backend hf` generates with the HF model that holds θ; `--backend vllm` generates with a vLLM engine into
 which each member's weights are written (`sync_weights`, one engine load per member), as grpo.py writes its trained
-weights: the same seeds give the same weights, bit for bit, in both.
+weights: the same seeds give the same weights, bit for bit, in both. es_lowrank.py runs this file's loop with
+low-rank members ([EGGROLL]), the whole population in one batched rollout.
 
 Reproducibility: every seed derives from --seed. On CPU a run is bitwise reproducible, and a run stopped at any
 instant (Ctrl-C, kill) and resumed ends with exactly the weights of an uninterrupted run; GPU kernels (and vLLM

@@ -36,13 +36,14 @@ Deviations from [EGGROLL] (its reference code, ESHyperscale/HyperscaleES), and w
   3. Antithetic pairs are a flag (off by default, as in es.py); [EGGROLL] always mirrors.
   4. Factors are drawn per (member seed, HF tensor name) with common.noise ([EGGROLL]: jax fold_in(key, epoch,
      member)), so they are the same on both backends and on resume.
-Defaults: rank 1 ([EGGROLL] uses 1); N, σ, α for the CPU Quickstart task (README: es_lowrank, how they were found).
+Defaults: es.py's (the [ES-LLM] artifact's N, σ, α) and rank 1 ([EGGROLL]'s). The CPU command below is the README's
+Quickstart with N = 16 (one iteration costs about what es.py's N = 8 does) and α = 1e-2 (README, Low-rank ES).
 Reproducibility: as es.py (bitwise on CPU with the HF backend, statistical on GPU and with vLLM). Runs in one process.
 
 Run it:
   CPU, the embedded SmolLM2-135M-Instruct on small sums (the Quickstart's task, a larger population):
-    python es_lowrank.py --task arith --chat-template --pop 32 --prompts-per-iter 8 --max-new-tokens 24 \
-        --iterations 6 --eval-every 3 --eval-prompts 64
+    python es_lowrank.py --task arith --chat-template --pop 16 --prompts-per-iter 8 --max-new-tokens 24 \
+        --sigma 5e-3 --alpha 1e-2 --iterations 6 --eval-every 3 --eval-prompts 64 --out-dir runs/lowrank-quick
   GPU, the [ES-LLM] GSM8K protocol with 4x the population, every member an adapter in one vLLM batch:
     python es_lowrank.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --chat-template --backend vllm --pop 128 \
         --batch-size 8192 --out-dir runs/es-lowrank-gsm8k
