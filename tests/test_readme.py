@@ -37,7 +37,7 @@ def shell_commands(markdown: str) -> list[str]:
 def without_env(command: str) -> list[str]:
     """The command's words after its leading `NAME=value` environment settings."""
     words = shlex.split(command)
-    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):  # FLAGS="--pop 16" is one word
         words = words[1:]
     return words
 
@@ -85,6 +85,15 @@ def test_the_docs_have_commands() -> None:
         "README.md", "gpu.md", "vllm.md", "benchmarks.md", "results-cpu.md"}
 
 
+def parse_and_check(script: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flags, choices and types by the script's own parser (--resume applied), then its range checks: no model."""
+    module = load_script(script)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    args = common.cli(module.Args)
+    if hasattr(module, "check_args"):
+        module.check_args(args)
+
+
 @pytest.mark.parametrize("doc,command", ALL, ids=[f"{d}:{c[:60]}" for d, c in ALL])
 def test_every_command_in_the_docs_is_current(doc: str, command: str, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,12 +107,12 @@ def test_every_command_in_the_docs_is_current(doc: str, command: str, tmp_path: 
             run = tmp_path / argv[argv.index("--resume") + 1]
             run.mkdir(parents=True)
             (run / "args.json").write_text(json.dumps({"args": dataclasses.asdict(module.Args())}))
-        monkeypatch.setattr(sys, "argv", [script, *argv])
-        args = common.cli(module.Args)  # flags, choices and types, by the script's own parser; --resume applied
-        if hasattr(module, "check_args"):
-            module.check_args(args)  # ranges (no model is loaded)
+        parse_and_check(script, argv, monkeypatch)
     elif words[0] in ("bash", "sh"):
         assert subprocess.run(["bash", "-n", str(ROOT / words[1])]).returncode == 0
+        env = dict(word.split("=", 1) for word in shlex.split(command)[:len(shlex.split(command)) - len(words)])
+        if "FLAGS" in env:  # bench/quickstart_seeds.sh passes them to SCRIPT (es.py by default)
+            parse_and_check(env.get("SCRIPT", "es.py"), shlex.split(env["FLAGS"]), monkeypatch)
     elif "pip" in words[0] or words[:2] == ["python3", "-m"] and "venv" in words:
         for i, word in enumerate(words):
             if word == "-r":

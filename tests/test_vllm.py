@@ -10,6 +10,7 @@ import os
 import zlib
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -28,8 +29,10 @@ MODEL = common.EMBEDDED_MODEL
 
 
 @pytest.fixture(scope="module")
-def policy() -> common.VLLMPolicy:
-    return common.VLLMPolicy(MODEL)
+def policy() -> Iterator[common.VLLMPolicy]:
+    engine = common.VLLMPolicy(MODEL)
+    yield engine
+    engine.close()  # free its KV cache before the next module's engine
 
 
 @pytest.fixture(scope="module")
