@@ -119,11 +119,16 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+def torchrun_world() -> int:
+    """The number of processes torchrun started (WORLD_SIZE), 1 under plain `python`."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(timeout_min: float = 120) -> tuple[int, int]:
     """(rank, world size) under torchrun, one GPU per process; (0, 1) for plain `python`. On GPUs the group has two
     backends: NCCL reduces CUDA tensors only, and gloo serves any tensor that lives on the CPU. The timeout must
     outlast rank 0's evaluation and checkpoint while the other ranks wait in the next all-reduce (default: 30 min)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = torchrun_world()
     if world == 1:
         return 0, 1
     if torch.cuda.is_available():
@@ -137,7 +142,7 @@ def init_distributed(timeout_min: float = 120) -> tuple[int, int]:
 
 def single_process(script: str) -> None:
     """Refuse torchrun for a script that runs one process: every rank would take GPU 0 and write one run dir."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = torchrun_world()
     require(world == 1, f"{script} runs in one process (WORLD_SIZE is {world}): start it with python, not torchrun")
 
 
@@ -402,7 +407,7 @@ class VLLMPolicy:
         from vllm import LLM
 
         options = {} if gpu_memory is None else {"gpu_memory_utilization": gpu_memory}  # share of GPU (or CPU) memory
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: each rank its own engine and device (as TRL, verl);
+        if torchrun_world() > 1:  # torchrun: each rank its own engine and device (as TRL, verl);
             # not torch.distributed.is_initialized(): a one-process engine initialises it too, so a second engine in
             # the process would take it for torchrun and fail without RANK
             options.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)

