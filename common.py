@@ -918,6 +918,15 @@ def require_min(args: Any, minimum: float, *flags: str) -> None:
         require(value is None or value >= minimum, f"--{flag.replace('_', '-')} must be ≥ {minimum}, got {value}")
 
 
+def plan(num_train: int, size: int, updates: Optional[int], epochs: int,
+         order: Literal["epoch", "random"]) -> tuple[int, int]:
+    """(T, updates per epoch): T = `updates`, else `epochs` passes of ⌈num_train / size⌉ updates. A random order has
+    no epochs: its one "epoch" is the whole run."""
+    per_epoch = -(-num_train // size)
+    total = updates or epochs * per_epoch
+    return total, per_epoch if order == "epoch" else total
+
+
 def schedule(seed: int, t: int, n: int, size: int, order: Literal["epoch", "random"]) -> np.ndarray:
     """Indices of the training problems of update t (0-based). epoch ([ES-LLM] artifact): every epoch a fresh
     permutation of the n problems from the run seed, cut into contiguous batches of `size`, the last one shorter;
@@ -955,30 +964,25 @@ def held_interrupts() -> Iterator[None]:
             raise KeyboardInterrupt
 
 
-def _interrupt(*_: Any) -> NoReturn:
-    raise KeyboardInterrupt
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}"
-        n /= 1000
-
-
 class Run:
     """A run directory: args.json (the flags it last ran with, git SHA, package versions, earlier invocations),
     metrics.jsonl (rows keyed by "step"; step 0 is the start model), checkpoints/step_XXXXXX (`from_pretrained`
-    folders + state.json), and with `tracker` the same rows in TensorBoard or W&B.
+    folders + state.json), curves.png, and with `tracker` the same rows in TensorBoard or W&B.
+
+    The schedule of a run of `total` updates: an evaluation every `eval_every` (and of the first and last θ), a
+    checkpoint every `save_every`, at every epoch's end (`per_epoch` updates) and at the end; the epoch ends and the
+    final one are kept, the others only the newest `keep_last`.
 
     Created with `resume`, it finds the last complete checkpoint (`checkpoint`, `start`; none: start 0) and drops the
     metrics rows logged after it, so the resumed run's log reads as one uninterrupted run whatever stopped the last
     one (Ctrl-C, a kill, a crash). Ranks other than 0 under torchrun read, and write nothing.
     """
 
-    def __init__(self, out_dir: str, config: Any, resume: bool, keep_last: int = 2,
+    def __init__(self, out_dir: str, config: Any, resume: bool, total: int = 0, per_epoch: int = 0,
+                 eval_every: int = 0, save_every: int = 0, keep_last: int = 2,
                  tracker: Optional[Literal["tensorboard", "wandb"]] = None, rank: int = 0):
-        self.dir, self.keep_last, self.writes = Path(out_dir), keep_last, rank == 0
+        self.dir, self.writes, self.total, self.per_epoch = Path(out_dir), rank == 0, total, max(per_epoch, 1)
+        self.eval_every, self.save_every, self.keep_last = eval_every, save_every, keep_last
         done = sorted((self.dir / "checkpoints").glob("step_*/state.json")) if resume else []
         self.checkpoint = done[-1].parent if done else None  # state.json is written last: a complete checkpoint
         self.start = json.loads(done[-1].read_text())["step"] if done else 0
@@ -1022,19 +1026,36 @@ class Run:
             if self.track:
                 self.track({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}, row["step"])
 
-    def logged(self, step: int, key: str) -> bool:
-        return any(r["step"] == step and key in r for r in self.rows)
+    def eval_due(self, step: int) -> bool:
+        """Evaluate θ_step now? Every eval_every updates and after the last, unless this process does not write or
+        the step's evaluation is already logged (a resumed run's first θ)."""
+        due = self.eval_every > 0 and (step % self.eval_every == 0 or step == self.total)
+        return due and self.writes and not any(r["step"] == step and "eval/reward" in r for r in self.rows)
 
-    def say_disk(self, bytes_each: int, total: int, per_epoch: int) -> None:
-        """The expected disk use, printed at the start: epoch ends and the final checkpoint, + the newest keep_last."""
-        kept = len(set(range(per_epoch, total + 1, per_epoch)) | {total}) + self.keep_last
-        tqdm.write(f"checkpoints: {_size(bytes_each)} each, at most {kept} kept ({_size(kept * bytes_each)}): every "
-                   f"epoch's end, the final one and the newest {self.keep_last} (--keep-last)")
+    def say_start(self, line: str, bytes_each: int) -> None:
+        """What the run will do, and its disk use: epoch ends and the final checkpoint, + the newest keep_last."""
+        kept = len(set(range(self.per_epoch, self.total + 1, self.per_epoch)) | {self.total}) + self.keep_last
+        if self.writes:
+            tqdm.write(f"{line}\ncheckpoints: {_size(bytes_each)} each, at most {kept} kept ({_size(kept * bytes_each)})"
+                       f": every epoch's end, the final one and the newest {self.keep_last} (--keep-last)")
+
+    def say_eta(self, seconds: float, unit: str) -> None:
+        """After the first update of this invocation: how long the rest will take."""
+        left = self.total - self.start - 1
+        if self.writes:
+            tqdm.write(f"{unit} {self.start + 1} took {seconds:.0f} s: the remaining {left} take about "
+                       f"{left * seconds / 60:.0f} min")
+
+    def save_due(self, step: int, write: Callable[[Path], None]) -> None:
+        """The checkpoint of `step` if the schedule asks for one (every save_every, epoch ends, the end)."""
+        permanent = step % self.per_epoch == 0 or step == self.total
+        if self.writes and (permanent or (self.save_every and step % self.save_every == 0)):
+            self.save(step, write, permanent)
 
     def save(self, step: int, write: Callable[[Path], None], permanent: bool) -> Path:
         """checkpoints/step_{step}: `write(folder)` fills a temp folder, state.json last, then one rename, so a kill
         leaves either the old set or the new one. Saving a step twice writes once. Non-permanent checkpoints beyond
-        the newest keep_last are deleted (permanent: epoch ends and the final one)."""
+        the newest keep_last are deleted."""
         final = self.dir / "checkpoints" / f"step_{step:06d}"
         if (final / "state.json").is_file():
             return final
@@ -1053,17 +1074,34 @@ class Run:
             shutil.rmtree(trash)
         return final
 
-    def interrupted(self, step: int, write: Callable[[Path], None]) -> NoReturn:
-        """End a run stopped by Ctrl-C or SIGTERM: save the last finished update (whatever --save-every says: seconds
-        of writing against hours of iterations), one line, exit status 130."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the checkpoint short
-        if self.writes and step > 0:
-            where = f"checkpoint {self.save(step, write, permanent=False)}; continue with --resume {self.dir}"
-        else:
-            where = f"nothing to save; --resume {self.dir} starts it again"
+    def finish(self, write: Callable[[Path], None], panels: Sequence[tuple[str, str]]) -> None:
+        """After the last update: curves.png and the final checkpoint, named in one line."""
         if self.writes:
+            plot_curves({self.dir.name: self.dir}, self.dir / "curves.png", panels)
+            final = self.save(self.total, write, permanent=True)
+            tqdm.write(f"curves: {self.dir / 'curves.png'}; weights: {final}")
+
+    def interrupted(self, step: int, write: Callable[[Path], None], panels: Sequence[tuple[str, str]]) -> NoReturn:
+        """End a run stopped by Ctrl-C or SIGTERM: curves.png, a checkpoint of the last finished update (whatever
+        save_every says: seconds of writing against hours of updates), one line, exit status 130."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the checkpoint short
+        if self.writes:
+            plot_curves({self.dir.name: self.dir}, self.dir / "curves.png", panels)
+            where = (f"checkpoint {self.save(step, write, permanent=False)}; continue with --resume {self.dir}"
+                     if step > 0 else f"nothing to save; --resume {self.dir} starts it again")
             print(f"interrupted after update {step}; {where}", file=sys.stderr)
         raise SystemExit(130)
+
+
+def _interrupt(*_: Any) -> NoReturn:
+    raise KeyboardInterrupt
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
 
 
 def _write_atomic(file: Path, text: str) -> None:
@@ -1074,21 +1112,21 @@ def _write_atomic(file: Path, text: str) -> None:
 
 def _tracker(kind: str, run: Path, config: Any) -> Callable[[dict[str, float], int], None]:
     """TensorBoard (run/tensorboard, as the [ES-LLM] artifact logs) or W&B (as [Qiu]), imported only when asked for."""
-    if kind == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
+    if kind == "wandb":
+        import wandb
 
-        writer = SummaryWriter(str(run / "tensorboard"))
+        wandb.init(dir=str(run), name=run.name, config=asdict(config))
+        return lambda row, step: wandb.log(row, step=step)
+    from torch.utils.tensorboard import SummaryWriter
 
-        def track(row: dict[str, float], step: int) -> None:
-            for key, value in row.items():
-                writer.add_scalar(key, value, step)
-            writer.flush()
+    writer = SummaryWriter(str(run / "tensorboard"))
 
-        return track
-    import wandb
+    def track(row: dict[str, float], step: int) -> None:
+        for key, value in row.items():
+            writer.add_scalar(key, value, step)
+        writer.flush()
 
-    wandb.init(dir=str(run), name=run.name, config=asdict(config))
-    return lambda row, step: wandb.log(row, step=step)
+    return track
 
 
 CURVES = (("train/reward_mean", "train reward"), ("eval/reward", "held-out reward (greedy)"),
@@ -1098,13 +1136,8 @@ CURVES = (("train/reward_mean", "train reward"), ("eval/reward", "held-out rewar
 
 def load_curves(run: Path, keys: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
     """metric → [(step, value)] from a run's metrics.jsonl."""
-    curves: dict[str, list[tuple[int, float]]] = {key: [] for key in keys}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        for key in keys:
-            if key in row:
-                curves[key].append((row["step"], row[key]))
-    return curves
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {key: [(row["step"], row[key]) for row in rows if key in row] for key in keys}
 
 
 def plot_curves(runs: dict[str, Path], file: Path, panels: Sequence[tuple[str, str]] = CURVES,

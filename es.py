@@ -58,8 +58,8 @@ from tqdm import tqdm
 
 from common import (CURVES, EMBEDDED_MODEL, HFPolicy, Master, Run, Task, VLLMPolicy, check_gpu_memory,
                     check_run_dir, cli, derive_seed, die, evaluate, held_interrupts, init_distributed, load_task,
-                    noise_table, plot_curves, render_prompt, require, require_min, resolve_dtype, resolve_model,
-                    schedule, score, sync_weights)
+                    noise_table, plan, render_prompt, require, require_min, resolve_dtype, resolve_model, schedule,
+                    score, sync_weights)
 
 
 @dataclass
@@ -79,13 +79,11 @@ class Args:
     resume: Optional[str] = None
     """continue the run in this directory from its last checkpoint (the flags it last ran with, plus those passed)"""
     eval_every: int = 25
-    """evaluate the center θ on held-out problems every this many iterations, before the first and after the last
-    (≥ 0; 0 = never)"""
+    """evaluate the center θ on held-out problems every this many iterations, first and last (≥ 0; 0 = never)"""
     eval_prompts: int = 200
     """number of held-out test problems per evaluation (≥ 1)"""
     save_every: int = 50
-    """write a checkpoint every this many iterations, at every epoch's end, at the end and on Ctrl-C (≥ 0; 0 = only
-    at epoch ends, at the end and on Ctrl-C)"""
+    """also write a checkpoint every this many iterations (≥ 0); always at epoch ends, the end and on Ctrl-C"""
     keep_last: int = 2
     """checkpoints kept besides every epoch's end and the final one: the newest this many (≥ 1)"""
     tracker: Optional[Literal["tensorboard", "wandb"]] = None
@@ -127,8 +125,7 @@ class Args:
     batch_size: int = 64
     """sequences per generate call (≥ 1)"""
     vllm_memory: float = 0.7
-    """--backend vllm: the engine's share of GPU memory, in (0, 1] ([ES-LLM] artifact: 0.7); the HF model, fp32
-    master and θ₀ live outside it"""
+    """--backend vllm: the engine's share of GPU memory, in (0, 1] ([ES-LLM]: 0.7); the master lives outside it"""
     master_device: Optional[Literal["cpu", "cuda"]] = None
     """where the fp32 master and θ₀ live (default: beside the model; 'cpu' saves GPU memory)"""
 
@@ -241,14 +238,14 @@ def main(args: Args, population: Callable[..., tuple[np.ndarray, np.ndarray, dic
     rank, world = init_distributed()  # every process holds θ and derives the same seeds; rank 0 logs and saves
     train = load_task(args.task, "train", args.data)[: args.train_size]
     test = load_task(args.task, "test", args.data)[: args.eval_prompts]
-    per_epoch = -(-len(train) // args.prompts_per_iter)  # iterations per pass over the training set
-    iterations = args.iterations or args.epochs * per_epoch
-    per_epoch = per_epoch if args.prompt_order == "epoch" else iterations + 1  # random order: no epoch checkpoints
+    size = min(args.prompts_per_iter, len(train))
+    iterations, per_epoch = plan(len(train), size, args.iterations, args.epochs, args.prompt_order)
     model = resolve_model(args.model)
     dtype = resolve_dtype(args.dtype, "cuda" if torch.cuda.is_available() else "cpu")
     if args.backend == "vllm":  # before anything is loaded: the HF model and the master live beside the engine
         check_gpu_memory(model, dtype, args.vllm_memory, args.master_device)
-    run = Run(args.out_dir, args, args.resume is not None, args.keep_last, args.tracker, rank)
+    run = Run(args.out_dir, args, args.resume is not None, iterations, per_epoch, args.eval_every, args.save_every,
+              args.keep_last, args.tracker, rank)
 
     # θ twice: in the model dtype (the HF model) and in fp32 (the master); a vLLM engine gets copies of the former
     policy = HFPolicy(model, args.dtype, batch_size=args.batch_size)
@@ -259,28 +256,22 @@ def main(args: Args, population: Callable[..., tuple[np.ndarray, np.ndarray, dic
     engine = policy if args.backend == "hf" else VLLMPolicy(model, args.dtype, batch_size=args.batch_size,
                                                             gpu_memory=args.vllm_memory, lora=lora)
     prompts = [render_prompt(args.task, p, policy.tokenizer, args.chat_template) for p in train]
-    say = tqdm.write if rank == 0 else lambda _: None
-    size = min(args.prompts_per_iter, len(train))
-    say(f"es: {iterations - run.start} iterations of {args.pop} members × {size} prompts × ≤ {args.max_new_tokens} "
-        f"new tokens (≤ {args.pop * size * args.max_new_tokens:,} generated tokens per iteration)")
     bytes_per_param = dtype.itemsize + (4 if dtype != torch.float32 else 0)  # + the exact fp32 master in bf16
-    if rank == 0:
-        run.say_disk(sum(p.numel() for p in policy.params.values()) * bytes_per_param, iterations, per_epoch)
+    run.say_start(f"es: {iterations - run.start} iterations of {args.pop} members × {size} prompts × ≤ "
+                  f"{args.max_new_tokens} new tokens (≤ {args.pop * size * args.max_new_tokens:,} generated tokens "
+                  "per iteration)", sum(p.numel() for p in policy.params.values()) * bytes_per_param)
 
     def save(folder: Path) -> None:  # a from_pretrained folder of cast(θ) (+ the fp32 θ if the dtype loses bits)
         policy.save(folder)
         master.save(folder)
 
     def evaluate_center(step: int) -> None:  # greedy, held out; the engine may still hold the last member
-        sync_weights(engine, master.params)
-        run.log({"step": step, **evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template,
-                                          f"eval θ_{step}")})
+        if run.eval_due(step):
+            sync_weights(engine, master.params)
+            run.log({"step": step, **evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template,
+                                              f"eval θ_{step}")})
 
-    def eval_due(step: int) -> bool:
-        return args.eval_every > 0 and (step % args.eval_every == 0 or step == iterations)
-
-    if rank == 0 and eval_due(run.start) and not run.logged(run.start, "eval/reward"):  # θ₀, or an eval cut short
-        evaluate_center(run.start)
+    evaluate_center(run.start)  # θ₀, or an evaluation a stop cut short
     bar = tqdm(range(run.start, iterations), initial=run.start, total=iterations, desc="es", unit="it",
                disable=rank != 0)
     done, skipped = run.start, 0
@@ -316,34 +307,24 @@ def main(args: Args, population: Callable[..., tuple[np.ndarray, np.ndarray, dic
                 run.log(row)
                 done = t + 1
 
-            # 5. report, evaluate the center θ, checkpoint (rank 0 only: the other ranks hold the identical θ)
-            if rank != 0:
-                continue
+            # 5. report, evaluate the center θ, checkpoint (rank 0: the other ranks hold the identical θ)
             skipped = skipped + 1 if row["es/skipped"] else 0
             bar.set_postfix(reward=f"{row['train/reward_mean']:.3f}", d_rel=f"{row['es/d_rel']:.1e}",
                             **({"update": "skipped"} if skipped else {}))
             if t == run.start:
-                say(f"iteration {done} took {row['perf/iteration_s']:.0f} s: the remaining {iterations - done} "
-                    f"take about {(iterations - done) * row['perf/iteration_s'] / 60:.0f} min")
-            if skipped:
-                say(f"iteration {done}: every member scored {row['train/reward_mean']:.3f}: no update")
-            if skipped == 3:
-                say("3 iterations in a row without an update: " + (
-                    "no member earned any reward — try more --max-new-tokens, a larger --sigma or an easier --task "
-                    "(arith)" if row["train/reward_max"] == 0 else "all members score alike — try a larger --sigma"))
-            if eval_due(done):
-                evaluate_center(done)
-            if (args.save_every and done % args.save_every == 0) or done % per_epoch == 0 or done == iterations:
-                run.save(done, save, permanent=done % per_epoch == 0 or done == iterations)
+                run.say_eta(row["perf/iteration_s"], "iteration")
+            if skipped and rank == 0:
+                tqdm.write(f"iteration {done}: every member scored {row['train/reward_mean']:.3f}: no update" + (
+                    "" if skipped < 3 else "; 3 in a row: " + (
+                        "no member earned any reward — try more --max-new-tokens, a larger --sigma or an easier "
+                        "--task (arith)" if row["train/reward_max"] == 0 else "try a larger --sigma")))
+            evaluate_center(done)
+            run.save_due(done, save)
     except KeyboardInterrupt:
         bar.close()
-        if rank == 0:
-            plot_curves({"es": run.dir}, run.dir / "curves.png", CURVES + ES_CURVES)
-        run.interrupted(done, save)
+        run.interrupted(done, save, CURVES + ES_CURVES)
     bar.close()
-    if rank == 0:
-        plot_curves({"es": run.dir}, run.dir / "curves.png", CURVES + ES_CURVES)
-        say(f"curves: {run.dir / 'curves.png'}; weights: {run.save(iterations, save, permanent=True)}")
+    run.finish(save, CURVES + ES_CURVES)
     if engine is not policy:
         engine.close()  # its memory back for whatever this process runs next
     if world > 1 and torch.distributed.is_initialized():  # closing a vLLM engine may already have destroyed it

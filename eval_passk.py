@@ -70,7 +70,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from common import (EMBEDDED_MODEL, HFPolicy, Problem, Run, Sample, Task, VLLMPolicy, cli, derive_seed, die,
-                    extract_answer, load_task, load_weights, meta_params, render_prompt, require,
+                    extract_answer, load_task, load_weights, meta_params, render_prompt, require, require_min,
                     relative_drift, resolve_model, score, single_process, sync_weights)
 
 
@@ -123,9 +123,7 @@ class Args:
 
 def check_args(args: Args) -> None:
     """Every numeric flag in its range (the Args docstrings), before anything is loaded or written."""
-    for flag in ("batch_size", "n", "max_new_tokens", "resamples"):
-        require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be ≥ 1, got {getattr(args, flag)}")
-    require(args.num_problems is None or args.num_problems >= 1, f"--num-problems must be ≥ 1, got {args.num_problems}")
+    require_min(args, 1, "batch_size", "n", "max_new_tokens", "resamples", "num_problems")
     require(args.temperature > 0, f"--temperature must be > 0 (pass@k needs samples), got {args.temperature}")
     require(0 < args.top_p <= 1 and 0 < args.vllm_memory <= 1, "--top-p and --vllm-memory must be in (0, 1]")
     require(all(tau >= 0 for tau in args.reset_tau), f"--reset-tau must be ≥ 0, got {args.reset_tau}")

@@ -61,8 +61,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from common import (CURVES, EMBEDDED_MODEL, HFPolicy, Run, Sample, Task, VLLMPolicy, check_run_dir, cli, derive_seed,
-                    die, evaluate, held_interrupts, load_task, plot_curves, render_prompt, require, require_min,
-                    resolve_dtype, resolve_model, schedule, score, single_process, sync_weights)
+                    die, evaluate, held_interrupts, load_task, plan, render_prompt, require, require_min, resolve_dtype,
+                    resolve_model, schedule, score, single_process, sync_weights)
 
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 
@@ -84,13 +84,11 @@ class Args:
     resume: Optional[str] = None
     """continue the run in this directory from its last checkpoint (the flags it last ran with, plus those passed)"""
     eval_every: int = 25
-    """evaluate greedily on held-out problems every this many steps, before the first and after the last (≥ 0; 0 =
-    never)"""
+    """evaluate greedily on held-out problems every this many steps, first and last (≥ 0; 0 = never)"""
     eval_prompts: int = 200
     """number of held-out test problems per evaluation (≥ 1)"""
     save_every: int = 50
-    """write a checkpoint (weights + AdamW state) every this many steps, at every epoch's end, at the end and on
-    Ctrl-C (≥ 0; 0 = only at epoch ends, at the end and on Ctrl-C)"""
+    """also checkpoint weights + AdamW state every this many steps (≥ 0); always at epoch ends, the end, Ctrl-C"""
     keep_last: int = 2
     """checkpoints kept besides every epoch's end and the final one: the newest this many (≥ 1)"""
     tracker: Optional[Literal["tensorboard", "wandb"]] = None
@@ -378,11 +376,11 @@ def main(args: Args) -> Path:
     single_process("grpo.py")
     train = load_task(args.task, "train", args.data)[: args.train_size]
     test = load_task(args.task, "test", args.data)[: args.eval_prompts]
-    per_epoch = -(-len(train) // args.prompts_per_step)  # steps per pass over the training set
-    steps = args.steps or args.epochs * per_epoch
-    per_epoch = per_epoch if args.prompt_order == "epoch" else steps + 1  # random order: no epoch checkpoints
+    size = min(args.prompts_per_step, len(train))
+    steps, per_epoch = plan(len(train), size, args.steps, args.epochs, args.prompt_order)
     model = resolve_model(args.model)
-    run = Run(args.out_dir, args, args.resume is not None, args.keep_last, args.tracker)
+    run = Run(args.out_dir, args, args.resume is not None, steps, per_epoch, args.eval_every, args.save_every,
+              args.keep_last, args.tracker)
 
     # weights in fp32 (deviation 3); a resumed run starts from the checkpoint's weights and AdamW state
     policy = HFPolicy(str(run.checkpoint or model), "float32", batch_size=args.batch_size)
@@ -400,11 +398,9 @@ def main(args: Args) -> Path:
                                                             batch_size=args.batch_size, gpu_memory=args.vllm_memory)
     prompts = [render_prompt(args.task, p, policy.tokenizer, args.chat_template) for p in train]
     prompt_ids = policy.encode(prompts)
-    size = min(args.prompts_per_step, len(train))
-    tqdm.write(f"grpo: {steps - run.start} steps of {size} prompts × {args.group_size} samples × ≤ "
-               f"{args.max_new_tokens} new tokens (≤ {size * args.group_size * args.max_new_tokens:,} generated "
-               "tokens per step)")
-    run.say_disk(sum(p.numel() for p in policy.params.values()) * 12, steps, per_epoch)  # fp32 θ + AdamW's 2 moments
+    run.say_start(f"grpo: {steps - run.start} steps of {size} prompts × {args.group_size} samples × ≤ "
+                  f"{args.max_new_tokens} new tokens (≤ {size * args.group_size * args.max_new_tokens:,} generated "
+                  "tokens per step)", sum(p.numel() for p in policy.params.values()) * 12)  # fp32 θ + AdamW's 2 moments
     tqdm.write(memory_line(policy.model, args, max(map(len, prompt_ids)), policy.device))
 
     def save(folder: Path) -> None:  # a from_pretrained folder of θ, and the AdamW state an exact resume needs
@@ -412,14 +408,11 @@ def main(args: Args) -> Path:
         torch.save(optimizer.state_dict(), folder / "optimizer.pt")
 
     def evaluate_policy(step: int) -> None:  # greedy, held out, on the rollout engine (synced after every update)
-        run.log({"step": step, **evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template,
-                                          f"eval θ_{step}")})
+        if run.eval_due(step):
+            run.log({"step": step, **evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template,
+                                              f"eval θ_{step}")})
 
-    def eval_due(step: int) -> bool:
-        return args.eval_every > 0 and (step % args.eval_every == 0 or step == steps)
-
-    if eval_due(run.start) and not run.logged(run.start, "eval/reward"):  # θ₀, or an evaluation cut short
-        evaluate_policy(run.start)
+    evaluate_policy(run.start)  # θ₀, or an evaluation a stop cut short
     bar = tqdm(range(run.start, steps), initial=run.start, total=steps, desc="grpo", unit="step")
     done = run.start
     try:
@@ -473,25 +466,21 @@ def main(args: Args) -> Path:
             bar.set_postfix(reward=f"{row['train/reward_mean']:.3f}", len=f"{row['train/response_len']:.0f}",
                             **({"update": "none"} if row["grpo/zero_std_frac"] == 1 else {}))
             if step == run.start:
-                tqdm.write(f"step {done} took {row['perf/step_s']:.0f} s: the remaining {steps - done} take about "
-                           f"{(steps - done) * row['perf/step_s'] / 60:.0f} min")
+                run.say_eta(row["perf/step_s"], "step")
             if row["grpo/zero_std_frac"] == 1:
                 tqdm.write(f"step {done}: every group scored alike (reward {row['train/reward_mean']:.3f}): a zero "
                            "gradient" + (", θ moved by AdamW's momentum only" if step > 0 else ""))
-            if eval_due(done):
-                evaluate_policy(done)
-            if (args.save_every and done % args.save_every == 0) or done % per_epoch == 0 or done == steps:
-                run.save(done, save, permanent=done % per_epoch == 0 or done == steps)
+            evaluate_policy(done)
+            run.save_due(done, save)
     except KeyboardInterrupt:
         bar.close()
-        plot_curves({"grpo": run.dir}, run.dir / "curves.png", CURVES + GRPO_CURVES)
-        run.interrupted(done, save)
+        run.interrupted(done, save, CURVES + GRPO_CURVES)
     bar.close()
-    plot_curves({"grpo": run.dir}, run.dir / "curves.png", CURVES + GRPO_CURVES)
-    tqdm.write(f"curves: {run.dir / 'curves.png'}; weights: {run.save(steps, save, permanent=True)}")
+    run.finish(save, CURVES + GRPO_CURVES)
     if engine is not policy:
         engine.close()  # its memory back for whatever this process runs next
     return run.dir
+
 
 if __name__ == "__main__":
     main(cli(Args))

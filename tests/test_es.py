@@ -346,3 +346,25 @@ def test_the_prompt_schedule_starts_at_schedule_start(script: str, tiny_model: s
     module.main(module.Args(model=tiny_model, max_new_tokens=2, eval_every=0, schedule_start=5,
                             out_dir=str(tmp_path / "run"), **flags, **length))
     assert asked == [5, 6]
+
+
+def test_a_fork_that_changes_one_stage_runs_the_whole_loop(tiny_model: str, tmp_path: Path) -> None:
+    """README "How to fork": a copy of es.py whose stage 3 uses centered ranks instead of z-scores trains, saves and
+    evaluates with no change outside its file; the same first iteration as es.py (same θ₀, seeds and prompts), a
+    different update. Both score by a hash of the completion (members differ, so every iteration updates θ)."""
+    source = (ROOT / "es.py").read_text()
+    assert source.count("z = zscore(member_rewards)") == 1
+    ranks = "z = member_rewards.argsort().argsort() / (len(member_rewards) - 1) - 0.5  # centered ranks in [-½, ½]"
+    (tmp_path / "es_ranks.py").write_text(source.replace("z = zscore(member_rewards)", ranks))
+    runner = ("import sys, zlib; sys.path[:0] = [{tmp!r}, {root!r}]; import {m}; import common\n"
+              "{m}.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)\n"
+              "if __name__ == '__main__':\n    {m}.main(common.cli({m}.Args))\n")
+    for module in ("es_ranks", "es"):
+        (tmp_path / f"run_{module}.py").write_text(runner.format(tmp=str(tmp_path), root=str(ROOT), m=module))
+        run_script(str(tmp_path / f"run_{module}.py"), "--model", tiny_model, *TINY_FLAGS, "--iterations", "2",
+                   "--sigma", "0.1", "--eval-every", "2", "--out-dir", str(tmp_path / module))
+    first = [next(r for r in read_metrics(tmp_path / run) if r["step"] == 1) for run in ("es_ranks", "es")]
+    assert first[0]["train/reward_mean"] == first[1]["train/reward_mean"]
+    assert first[0]["es/update_norm"] > 0 and first[0]["es/update_norm"] != first[1]["es/update_norm"]
+    assert (tmp_path / "es_ranks" / "checkpoints" / "step_000002" / "state.json").is_file()
+    assert [r["step"] for r in read_metrics(tmp_path / "es_ranks") if "eval/reward" in r] == [0, 2]

@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import common
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A stand-in policy: es.py, es_lowrank.py or grpo.py with a reward that differs between members (a hash of the
@@ -322,3 +324,37 @@ def test_a_tracker_gets_the_rows_of_metrics_jsonl(tracker: str, tiny_model: str,
     logged = [(k, v, r["step"]) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
               for r in [json.loads(line)] for k, v in r.items() if k != "step"]
     assert seen[1:] == logged and len(logged) > 10
+
+
+def test_the_schedule_of_evaluations_and_checkpoints(tmp_path: Path) -> None:
+    """common.plan and Run's schedule, by hand: 10 problems, 3 per update, 2 epochs = 8 updates of which 4 and 8 end
+    an epoch; --save-every 3, --eval-every 3. Epoch ends and the final checkpoint are kept for good, the rest pruned
+    to the newest 1; a random order's only epoch end is the last update."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Config:
+        seed: int = 0
+
+    assert common.plan(10, 3, None, 2, "epoch") == (8, 4) and common.plan(9, 3, None, 2, "epoch") == (6, 3)
+    assert common.plan(10, 3, 5, 2, "epoch") == (5, 4) and common.plan(10, 3, None, 2, "random") == (8, 8)
+    run = common.Run(str(tmp_path / "r"), Config(), False, total=8, per_epoch=4, eval_every=3, save_every=3,
+                     keep_last=1)
+    assert [s for s in range(9) if run.eval_due(s)] == [0, 3, 6, 8]
+    run.log({"step": 3, "eval/reward": 0.5})  # logged already (a resumed run's first θ): not again
+    assert not run.eval_due(3) and run.eval_due(6)
+    for step in range(1, 9):
+        run.save_due(step, lambda folder: None)
+    kept = {p.parent.name: json.loads(p.read_text())["permanent"] for p in (run.dir / "checkpoints").glob("*/state.json")}
+    assert kept == {"step_000004": True, "step_000006": False, "step_000008": True}
+    short = common.Run(str(tmp_path / "short"), Config(), False, *common.plan(10, 3, 5, 2, "epoch"), save_every=2,
+                       keep_last=1)  # 5 updates: the final one is no epoch end, and is kept for good all the same
+    for step in range(1, 6):
+        short.save_due(step, lambda folder: None)
+    kept = {p.parent.name: json.loads(p.read_text())["permanent"] for p in (short.dir / "checkpoints").glob("*/state.json")}
+    assert kept == {"step_000002": False, "step_000004": True, "step_000005": True}
+    random = common.Run(str(tmp_path / "random"), Config(), False, *common.plan(10, 3, None, 2, "random"),
+                        save_every=0)
+    for step in range(1, 9):
+        random.save_due(step, lambda folder: None)
+    assert [p.name for p in (random.dir / "checkpoints").iterdir()] == ["step_000008"]
