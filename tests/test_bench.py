@@ -161,3 +161,14 @@ def test_es_iteration_table_has_a_row_per_population_and_mode(tiny_model: str) -
                                            ("lowrank", "4×2×3")]
     assert all(r[7].endswith("%") and float(r[5]) > 0 for r in rows)
     assert "--modes regenerate lowrank --pops 2 4 --prompts 2 --max-new-tokens 3" in text
+
+
+def test_shared_prefill_bench_samples_the_reference_tokens(tiny_model: str) -> None:
+    """bench/shared_prefill.py on the tiny model: 3 problems × n = 3 in chunks of 4 rows (a problem's rows straddle
+    two chunks); HFPolicy.generate's tokens equal HF generate's on the copies, and both rows of the table are timed."""
+    result = subprocess.run([sys.executable, "bench/shared_prefill.py", "--model", tiny_model, "--problems", "3",
+                             "--n", "3", "--batch-size", "4", "--max-new-tokens", "6", "--repeats", "1",
+                             "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "3 problems × n = 3" in result.stdout and "same tokens: True" in result.stdout
+    assert "| shared prefill (HFPolicy.generate) |" in result.stdout and "speed-up" in result.stdout

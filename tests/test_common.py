@@ -193,6 +193,32 @@ def test_generate_greedy_is_deterministic_and_batched_like_single(tiny_model: st
     assert [s.text for s in sampled] == [s.text for s in policy.generate(prompts, 3, 12, 1.0, seed=5)]
 
 
+@pytest.mark.parametrize("model", ["tiny_model", "tiny_qwen"])
+def test_n_samples_share_one_prefill_and_sample_the_same_tokens(model: str, request: pytest.FixtureRequest) -> None:
+    """HFPolicy.generate prefills each prompt once for its n rows; HF's generate on the n copies of each prompt (the
+    same chunks of batch_size rows, the same seeds) must give the same tokens, greedy and sampled, also when a
+    prompt's rows straddle two chunks (n = 3, 4 rows a chunk)."""
+    from transformers import GenerationConfig
+
+    policy = HFPolicy(request.getfixturevalue(model), "float32", "cpu", batch_size=4)
+    for name, p in policy.params.items():  # sharp attention: a random model attends uniformly, blind to positions
+        p.data.mul_(30 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1)
+    prompts = ["short", "a much longer prompt here", "mid-size one"]
+    for temperature in (0.0, 1.0):
+        shared = policy.generate(prompts, n=3, max_new_tokens=10, temperature=temperature, seed=7)
+        config = GenerationConfig(max_new_tokens=10, do_sample=temperature > 0, pad_token_id=0, eos_token_id=[1],
+                                  **({"temperature": 1.0, "top_k": 0} if temperature else {}))
+        rows = [i for i in range(3) for _ in range(3)]
+        for start in range(0, 9, 4):
+            batch = policy.tokenizer([prompts[i] for i in rows[start:start + 4]], return_tensors="pt", padding=True,
+                                     add_special_tokens=False)
+            torch.manual_seed(derive_seed(7, start))
+            out = policy.model.generate(**batch, generation_config=config)[:, batch["input_ids"].shape[1]:]
+            for sample, row in zip(shared[start:start + 4], out.tolist()):
+                end = next((j + 1 for j, t in enumerate(row) if t == 1), len(row))
+                assert sample.token_ids == row[:end], (temperature, start)
+
+
 # ---------------------------------------------------------------------------------------------------- Countdown
 def solvable(numbers: tuple[int, ...], target: int) -> bool:
     """Brute force over every way to combine the numbers with + − * /."""
