@@ -196,11 +196,12 @@ class HFPolicy:
         samples = []
         for start in range(0, len(items), self.batch_size):
             chunk = items[start:start + self.batch_size]
-            unique = list(dict.fromkeys(chunk))  # the chunk's prompts, each once
+            position = {i: k for k, i in enumerate(dict.fromkeys(chunk))}  # the chunk's prompts, each once
+            unique = list(position)
             batch = self.tokenizer([prompts[i] for i in unique], return_tensors="pt", padding=True,
                                    add_special_tokens=False).to(self.device)
             ids, mask = batch["input_ids"], batch["attention_mask"]
-            rows = torch.tensor([unique.index(i) for i in chunk], device=self.device)  # row → its prompt
+            rows = torch.tensor([position[i] for i in chunk], device=self.device)  # row → its prompt
             cache = self._prefill(ids, mask, rows) if n > 1 else None
             torch.manual_seed(derive_seed(seed, start))
             out = self.model.generate(input_ids=ids[rows], attention_mask=mask[rows], past_key_values=cache,

@@ -314,10 +314,10 @@ def main(args: Args, population: Callable[..., tuple[np.ndarray, np.ndarray, dic
             if t == run.start:
                 run.say_eta(row["perf/iteration_s"], "iteration")
             if skipped and rank == 0:
-                tqdm.write(f"iteration {done}: every member scored {row['train/reward_mean']:.3f}: no update" + (
-                    "" if skipped != 3 else "; 3 in a row: " + (
-                        "no member earned any reward — try more --max-new-tokens, a larger --sigma or an easier "
-                        "--task (arith)" if row["train/reward_max"] == 0 else "try a larger --sigma")))
+                hint = ("no member earned any reward — try more --max-new-tokens, a larger --sigma or an easier "
+                        "--task (arith)" if row["train/reward_max"] == 0 else "try a larger --sigma")
+                tqdm.write(f"iteration {done}: every member scored {row['train/reward_mean']:.3f}: no update"
+                           + (f"; 3 in a row: {hint}" if skipped == 3 else ""))
             evaluate_center(done)
             run.save_due(done, save)
     except KeyboardInterrupt:
