@@ -2,7 +2,7 @@
 
 The script to run first on a GPU machine (bench/gpu.sh wraps it). It assumes a bare box: Python, torch, transformers,
 no tyro/trl/datasets/vllm/math_verify/matplotlib and no internet, so the models are random-init ones built from a
-hand-written config (bench/util.py) with a character-level tokenizer made here. Nine checks, each in its own
+hand-written config (bench/util.py) with a character-level tokenizer made here. Ten checks, each in its own
 try/except: a missing optional package or a failure is recorded ("skipped: <reason>", "FAILED: <error>") and the
 script goes on. Results go to OUT/gpu-check.md, rewritten after every check (a check stopped half-way keeps the
 tables it finished), ending with the docs/gpu.md rows each measurement confirms.
@@ -22,6 +22,9 @@ tables it finished), ending with the docs/gpu.md rows each measurement confirms.
   7. ES, 7B         check 4 at random-init Qwen2.5-7B (untied embeddings, 7.6B parameters)
   8. vLLM           only if vllm imports: engine greedy tokens vs HF's after the same perturbation
   9. TRL            only if tyro and trl import: bench/grpo_vs_trl.py
+  10. scripts       (runs after 3) only if tyro imports: es.py with the master on the device and on the CPU (must
+                    write bit-identical checkpoints), grpo.py, eval_passk.py, as subprocesses on a random model (a
+                    vocabulary of 128) scored by a hash of the completion so that θ moves
 
 Time: everything stops at TOTAL_S = 440 s after start (bench/gpu.sh kills it at 470 s). Each check has its own
 budget in seconds (BUDGET_S), cut to what is left of the total; a check that reaches it is stopped and reported
@@ -32,7 +35,7 @@ ends it. ES operations go through the four adapters under "ES operations" (the E
 the fp32 master): only they change with it.
 
 Run it:
-  GPU box:  bash bench/gpu.sh                     (or python3 bench/gpu_check.py --out runs/gpu-check)
+  GPU box:  bash bench/gpu.sh                     (or python3 bench/gpu_check.py --out runs/gpu-check; --checks 1 10: some)
   CPU dry run, the same code at tiny sizes (< 1 min): python bench/gpu_check.py --dry --out /tmp/gpu-dry
 """
 
@@ -46,6 +49,7 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
@@ -65,13 +69,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runpy.run_path does not add bench/ itself
-from util import RANDOM_CONFIGS, fixed_length, resolve_bench_model, sync, table  # noqa: E402
+import transformers  # noqa: E402
+from util import RANDOM_CONFIGS, ROOT, fixed_length, resolve_bench_model, sync, table  # noqa: E402
 
 import common  # noqa: E402  (util puts the repo root on sys.path)
-import transformers  # noqa: E402
 
 TOTAL_S = 440
-BUDGET_S = {1: 20, 2: 45, 3: 45, 4: 100, 5: 45, 6: 100, 7: 200, 8: 120, 9: 150}
+BUDGET_S = {1: 20, 2: 45, 3: 45, 4: 100, 5: 45, 6: 100, 7: 200, 8: 120, 9: 150, 10: 150}
 MIN_S = 15  # a check with less time left than this is skipped
 OPTIONAL = {"tyro": "command lines (es.py, grpo.py, bench scripts)", "trl": "check 9, bench/grpo_vs_trl.py",
             "datasets": "hub tasks, TRL", "vllm": "check 8, --backend vllm", "math_verify": "GSM8K/MATH-500 scoring",
@@ -601,10 +605,105 @@ def check_trl(ctx: Context) -> list[str]:
     return [line for line in out.read_text().splitlines() if not line.startswith("# ")]
 
 
+HASH_REWARD = """import sys, zlib; sys.path.insert(0, {root!r}); import {m}, common
+{m}.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)  # random text earns reward
+if __name__ == "__main__":
+    {m}.main(common.cli({m}.Args))
+"""
+
+
+def script(ctx: Context, name: str, *argv: str) -> tuple[float, str]:
+    """Run a script (a path, or one of the project's) as a user would (its own process, its killable process group);
+    (seconds, log). A non-zero exit raises with the log's last line."""
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(ROOT / name), *argv], cwd=ROOT, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        log, _ = proc.communicate(timeout=max(ctx.budget - (time.monotonic() - start), 1))
+    except BaseException:  # its time budget, or an interrupt: no orphaned script may keep the GPU
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    with open(ctx.out / "scripts.log", "a") as f:
+        f.write(f"$ {Path(name).name} {' '.join(argv)}\n{log}\n")
+    if proc.returncode != 0:
+        tail = [line for line in log.splitlines() if line.strip()][-1:] or ["(no output)"]
+        raise RuntimeError(f"{name} exited {proc.returncode}: {tail[0]}")
+    return time.monotonic() - start, log
+
+
+def same_tensors(a: Path, b: Path) -> str:
+    """'yes' if every safetensors file under two checkpoints holds the same names and bits, else what differs."""
+    from safetensors.torch import load_file
+
+    files = sorted(p.relative_to(a) for p in a.rglob("*.safetensors"))
+    if not files or files != sorted(p.relative_to(b) for p in b.rglob("*.safetensors")):
+        return f"no: files {files}"
+    for f in files:
+        x, y = load_file(a / f), load_file(b / f)
+        bad = [k for k in x if k not in y or not torch.equal(x[k], y[k])]
+        if bad or x.keys() != y.keys():
+            return f"no: {f} differs in {len(bad) or 'its names'} ({bad[:2]})"
+    return f"yes ({len(files)} files)"
+
+
+def metric(run: Path, suffix: str) -> list[float]:
+    """The training rows' values of the metric whose key ends in `suffix`, from a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [v for r in rows for k, v in r.items() if k.endswith(suffix)]
+
+
+def check_scripts(ctx: Context) -> list[str]:
+    """es.py, grpo.py and eval_passk.py end to end on the device, as a user runs them (random model, countdown scored
+    by a hash of the completion, as tests/test_es.py's fork test does, so that θ moves): ES with the master on the
+    device and on the CPU must write the same checkpoint bits; GRPO trains two steps;
+    eval_passk samples n = 8 per problem (the shared prefill: one KV cache copied to a prompt's rows)."""
+    if not present("tyro"):
+        raise Skip("tyro not installed (the scripts' command line)")
+    arch = f"{ctx.sizes.small_model}-char"  # a vocabulary the size of the tokenizer's: every sampled id is a letter
+    RANDOM_CONFIGS.setdefault(arch, dict(RANDOM_CONFIGS[ctx.sizes.small_model], vocab_size=128))
+    model, runs = ctx.model(arch, ctx.sizes.small_layers), ctx.models / "scripts"  # not OUT: checkpoints take GBs
+    shutil.rmtree(runs, ignore_errors=True)
+    runs.mkdir(parents=True)
+    (ctx.out / "scripts.log").unlink(missing_ok=True)
+    for m in ("es", "grpo"):  # scored by a hash of the completion: members and samples differ, so θ moves
+        (runs / f"{m}_hashed.py").write_text(HASH_REWARD.format(root=str(ROOT), m=m))
+    es = ["--model", model, "--pop", "4", "--prompts-per-iter", "4", "--max-new-tokens", "16", "--eval-prompts", "8",
+          "--sigma", "0.1", "--alpha", "0.01", "--iterations", "3", "--eval-every", "3"]
+    rows = []
+    for master in ("cuda", "cpu") if ctx.cuda else ("cpu",):
+        seconds, _ = script(ctx, str(runs / "es_hashed.py"), *es, "--master-device", master,
+                            "--out-dir", str(runs / f"es-{master}"))
+        norms = metric(runs / f"es-{master}", "es/update_norm")
+        if not any(norms):
+            raise RuntimeError(f"es.py (master on {master}) never updated θ: the comparison would be vacuous")
+        rows.append([f"es.py, master on {master}: 3 iterations, N = 4", f"{seconds:.1f}",
+                     "exit 0; update norms " + ", ".join(f"{x:.3g}" for x in norms)])
+    final = runs / "es-cpu" / "checkpoints" / "step_000003"
+    if ctx.cuda:
+        rows.append(["checkpoints: master on cuda vs on cpu", "", "identical: "
+                     + same_tensors(runs / "es-cuda" / "checkpoints" / "step_000003", final)])
+    seconds, _ = script(ctx, str(runs / "grpo_hashed.py"), "--model", model, "--steps", "2", "--prompts-per-step", "2", "--group-size",
+                        "4", "--max-new-tokens", "16", "--eval-prompts", "8", "--eval-every", "2",
+                        "--out-dir", str(runs / "grpo"))
+    rows.append(["grpo.py: 2 steps of 2 prompts × G = 4", f"{seconds:.1f}", "exit 0; gradient norms "
+                 + ", ".join(f"{x:.3g}" for x in metric(runs / "grpo", "grad_norm"))])
+    seconds, _ = script(ctx, "eval_passk.py", "--models", f"base={model}", f"es={final}", "--base", "base",
+                        "--num-problems", "8", "--n", "8", "--max-new-tokens", "16", "--out-dir", str(runs / "passk"))
+    report = json.loads((runs / "passk" / "passk.json").read_text())
+    rows.append(["eval_passk.py: 2 models × 8 problems × n = 8", f"{seconds:.1f}",
+                 f"pass@8 base {report['results']['base']['countdown']['pass@k']['8']:.3f}, "
+                 f"es {report['results']['es']['countdown']['pass@k']['8']:.3f}"])
+    return [table(["script", "seconds", "result"], rows), "",
+            f"random {arch} (a vocabulary of 128), model dtype auto ({'bf16' if ctx.cuda else 'fp32'}); logs in "
+            f"{ctx.out}/scripts.log"]
+
 CHECKS: list[tuple[int, str, Callable[[Context], list[str]], str]] = [  # number, title, function, where it runs:
     (1, "Machine, optional packages, CUDA context", check_machine, "anywhere"),  # "cuda": GPU only; "device": or --dry
     (2, "Process group with both backends (cpu:gloo,cuda:nccl)", check_process_group, "cuda"),
     (3, "Exactness of ES in bf16 on the device", check_exactness, "device"),
+    (10, "The scripts end to end: es.py (master on the device and the CPU), grpo.py, eval_passk.py", check_scripts,
+     "device"),
     (4, "ES memory and speed, Qwen2.5-1.5B", lambda ctx: check_es(ctx, ctx.sizes.es_models[0]), "device"),
     (5, "GRPO log-prob memory: grpo.token_logprobs vs the old full log-softmax", check_grpo_logprobs, "device"),
     (6, "GRPO update memory at the paper's micro-batch, with and without checkpointing", check_grpo_update, "device"),
@@ -672,6 +771,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry", action="store_true", help="CPU dry run: the same checks at tiny sizes")
     parser.add_argument("--out", default="runs/gpu-check", help="folder for gpu-check.md (default runs/gpu-check)")
+    parser.add_argument("--checks", type=int, nargs="+", default=None, help="run only these checks (default: all)")
     parser.add_argument("--models", default=None, help="keep the random-init models here (default: a temp folder)")
     args = parser.parse_args(argv)
     transformers.logging.disable_progress_bar()  # the log gets progress lines, not a bar per file
@@ -691,7 +791,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             budget = min(BUDGET_S[number], left)
             say(f"{number}. {title} (budget {budget:.0f} s)")
             start = time.monotonic()
-            if not cuda and (where == "cuda" or (where == "device" and not args.dry)):
+            if args.checks and number not in args.checks:
+                status, body = "skipped: not asked for (--checks)", []
+            elif not cuda and (where == "cuda" or (where == "device" and not args.dry)):
                 status, body = "skipped: no CUDA device" + ("" if args.dry else " (--dry runs on the CPU)"), []
             elif budget < MIN_S:
                 status, body = f"skipped: not enough time left ({left:.0f} s of {TOTAL_S} s)", []
