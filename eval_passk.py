@@ -26,6 +26,7 @@ of v(x) = 1[greedy correct] and v(x) = pass@k(x) (unbiased per problem: the inte
 too). Paired ([Miller 2024] arXiv 2411.00640): d(x) = v_m(x) − v_ref(x) for every row m ≠ --reference, on the same
 resamples; won / lost = #{x: d(x) > 0} / #{x: d(x) < 0}. Seeds: labels METHOD@SEED (es@0 es@1 es@2) add a row
 METHOD@* with v(x) = the mean over seeds of v_s(x), so every seed and the reference are resampled on the same problems.
+Sparsity: each θ_τ's pass@1, and d(x) = pass@1_τ(x) − pass@1_θ(x) paired with its full model, on the same resamples.
 
 Choices the papers leave open (and why):
   1. maj@k tie-break: among the answers with the most votes, the one seen first wins. Samples without an answer
@@ -199,7 +200,19 @@ def uncertainty(report: dict, reference: str, resamples: int, seed: int) -> dict
                 for cell, d_mean, lo, hi, n_won, n_lost in zip(cells, *diff.tolist(), won.tolist(), lost.tolist()):
                     cell |= {"diff": d_mean, "diff_ci": [lo, hi], "won": n_won, "lost": n_lost}
             rows.setdefault(label, {})[task] = dict(zip(metrics, cells))
-    return {"reference": reference, "resamples": resamples, "seed": seed, "methods": methods, "rows": rows}
+    sparsity: dict[str, list] = {}  # each θ_τ's pass@1 and its paired difference from the full θ, on the main task
+    for label, sp in report.get("sparsity", {}).items():  # (the resamples of the main task's row above)
+        full = np.array(results[label][report["task"]]["correct_counts"])[:, None] / report["n"]  # (P, 1): c/n
+        draws = bootstrap_draws(len(full), resamples, derive_seed(seed, "bootstrap", report["task"]))
+        sparsity[label] = []
+        for row in sp["taus"]:
+            v = np.array(row["correct_counts"])[:, None] / report["n"]
+            diff, won, lost = paired(v, full, draws)
+            (mean, lo, hi), (d, d_lo, d_hi) = interval(v, draws)[:, 0].tolist(), diff[:, 0].tolist()
+            sparsity[label].append({"tau": row["tau"], "mean": mean, "ci": [lo, hi], "diff": d, "diff_ci": [d_lo, d_hi],
+                                    "won": int(won[0]), "lost": int(lost[0])})
+    return {"reference": reference, "resamples": resamples, "seed": seed, "methods": methods, "rows": rows,
+            "sparsity": sparsity}
 
 
 def reset_small_changes(theta: dict[str, torch.Tensor], theta0: dict[str, torch.Tensor],
@@ -347,13 +360,14 @@ def markdown(report: dict) -> str:
     lines += diffs if len(u["rows"]) > 1 else []  # the reference alone: nothing to compare
     if report.get("sparsity"):
         lines += ["", f"Functional sparsity on {report['task']} (pass@1 in %, n = {report['n']}; base: "
-                      f"{report['base']})", "", "| model | τ | s_τ | D_rel | pass@1 | Δ vs full |",
-                  "|---|---|---|---|---|---|"]
+                      f"{report['base']}; Δ: the paired difference from the full model, won/lost problems)", "",
+                  "| model | τ | s_τ | D_rel | pass@1 | Δ vs full |", "|---|---|---|---|---|---|"]
         for label, sp in report["sparsity"].items():
-            lines.append(f"| {label} | full | 0.0% | {sp['d_rel']:.2e} | {100 * sp['pass@1']:.1f} | — |")
-            for row in sp["taus"]:
+            full = u["rows"][label][report["task"]]["pass@1"]
+            lines.append(f"| {label} | full | 0.0% | {sp['d_rel']:.2e} | {ci(full['mean'], full['ci'])} | — |")
+            for row, c in zip(sp["taus"], u["sparsity"][label]):
                 lines.append(f"| {label} | {row['tau']:g} | {100 * row['s_tau']:.1f}% | {row['d_rel']:.2e} | "
-                             f"{100 * row['pass@1']:.1f} | {100 * (row['pass@1'] - sp['pass@1']):+.1f} |")
+                             f"{ci(c['mean'], c['ci'])} | {ci(c['diff'], c['diff_ci'], '+.1f')} {c['won']}/{c['lost']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -208,6 +208,31 @@ def test_markdown_and_plot_show_the_intervals(tmp_path: Path):
     assert (tmp_path / "passk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_sparsity_sweep_has_intervals_paired_with_the_full_model():
+    """n = 4, es's full counts (4, 0, 2, 1). θ_τ1 solves the same: d = 0 exactly. θ_τ2 (1, 1, 2, 2): pass@1 = 6/16,
+    d(x) = (−3, +1, 0, +1)/4: mean −1/16, two problems won and one lost; the interval spans 0 inside [−3/4, 1/4]."""
+    report = report_of(4, {"base": ([3, 0, 2, 3], [0, 0, 1, 1]), "es": ([4, 0, 2, 1], [1, 0, 1, 0])})
+    report |= {"task": "arith", "base": "base", "sparsity": {"es": {"d_rel": 0.1, "pass@1": 7 / 16, "taus": [
+        {"tau": 1e-3, "s_tau": 0.5, "d_rel": 0.09, "pass@1": 7 / 16, "correct_counts": [4, 0, 2, 1]},
+        {"tau": 2e-3, "s_tau": 0.8, "d_rel": 0.05, "pass@1": 6 / 16, "correct_counts": [1, 1, 2, 2]}]}}}
+    u = uncertainty(report, "base", 2000, seed=0)
+    same, fewer = u["sparsity"]["es"]
+    assert (same["mean"], same["diff"], same["diff_ci"], same["won"], same["lost"]) == (0.4375, 0.0, [0.0, 0.0], 0, 0)
+    assert same["ci"] == u["rows"]["es"]["arith"]["pass@1"]["ci"]  # the main task's resamples
+    assert (fewer["mean"], fewer["diff"], fewer["won"], fewer["lost"]) == (0.375, -0.0625, 2, 1)
+    assert -0.75 <= fewer["diff_ci"][0] < 0 < fewer["diff_ci"][1] <= 0.25
+    report["uncertainty"] = u
+    table = markdown(report)
+    rng = np.random.default_rng(0)  # 60 problems: an interval that moves with the resamples it is computed on
+    c = rng.integers(0, 5, 60).tolist()
+    many = report_of(4, {"base": (rng.integers(0, 5, 60).tolist(), [0] * 60), "es": (c, [0] * 60)})
+    many |= {"task": "arith", "sparsity": {"es": {"taus": [{"tau": 1.0, "correct_counts": c}]}}}
+    u = uncertainty(many, "base", 1000, seed=0)
+    assert u["sparsity"]["es"][0]["ci"] == u["rows"]["es"]["arith"]["pass@1"]["ci"]  # the same resamples
+    assert "| es | full | 0.0% | 1.00e-01 | 43.8 [" in table
+    assert "| es | 0.002 | 80.0% | 5.00e-02 | 37.5 [" in table and "| -6.2 [" in table and "] 2/1 |" in table
+
+
 def run_script(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-W", "error", str(ROOT / "eval_passk.py"), *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
@@ -260,6 +285,13 @@ def test_end_to_end_two_models_heldout_and_sparsity(tiny_model: str, tmp_path: P
     # θ_1 = θ₀ and sampling seeds are shared across models: it must reproduce the base's counts exactly
     assert rows[1]["correct_counts"] == report["results"]["base"]["countdown"]["correct_counts"]
     assert 0 < sparsity["es"]["d_rel"] < 0.1  # ‖Δ‖ ≈ 1e-3·√d against weights of std ≈ 0.02
+    # θ_1 = θ₀, so its paired difference from the full es is base − es: the es row's difference negated, on the
+    # same resamples
+    tau_1, es_row = report["uncertainty"]["sparsity"]["es"][1], report["uncertainty"]["rows"]["es"]["countdown"]
+    assert tau_1["mean"] == pytest.approx(report["results"]["base"]["countdown"]["pass@k"]["1"])
+    assert tau_1["diff"] == pytest.approx(-es_row["pass@1"]["diff"])
+    assert tau_1["diff_ci"] == pytest.approx([-es_row["pass@1"]["diff_ci"][1], -es_row["pass@1"]["diff_ci"][0]])
+    assert (tau_1["won"], tau_1["lost"]) == (es_row["pass@1"]["lost"], es_row["pass@1"]["won"])
 
     # every completion is kept: a row per model × problem set × problem, the greedy one and the n samples
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
