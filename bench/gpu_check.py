@@ -28,14 +28,15 @@ tables it finished), ending with the docs/gpu.md rows each measurement confirms.
 
 Time: everything stops at TOTAL_S = 440 s after start (bench/gpu.sh kills it at 470 s). Each check has its own
 budget in seconds (BUDGET_S), cut to what is left of the total; a check that reaches it is stopped and reported
-"skipped: stopped at its N s time budget" with the tables it had finished. On a bare H200 checks 1–7 should take
-~5 min (an estimate: no GPU has run this version), most of it building and loading the random 7B (15 GB on disk). The budgets end the script by TOTAL_S
-unless a call hangs inside C code (a stuck NCCL call, say), which no Python alarm interrupts: then gpu.sh's timeout
-ends it. ES operations go through the four adapters under "ES operations" (the ES API is moving to a class holding
-the fp32 master): only they change with it.
+"skipped: stopped at its N s time budget" with the tables it had finished. On a bare H200 (4 December 2026) checks
+1–7 and 10 took 339 s, most of it building and loading the random 7B (15 GB on disk) and check 10's processes
+(~100 s). The budgets end the script by TOTAL_S unless a call hangs inside C code (a stuck NCCL call, say), which no
+Python alarm interrupts: then gpu.sh's timeout ends it. ES operations go through the four adapters under "ES
+operations" (over common.Master): only they change with it.
 
 Run it:
-  GPU box:  bash bench/gpu.sh                     (or python3 bench/gpu_check.py --out runs/gpu-check; --checks 1 10: some)
+  GPU box:  bash bench/gpu.sh                     (or python3 bench/gpu_check.py --out runs/gpu-check)
+            bash bench/gpu.sh --checks 1 10        (only those checks)
   CPU dry run, the same code at tiny sizes (< 1 min): python bench/gpu_check.py --dry --out /tmp/gpu-dry
 """
 
@@ -656,8 +657,8 @@ def metric(run: Path, suffix: str) -> list[float]:
 def check_scripts(ctx: Context) -> list[str]:
     """es.py, grpo.py and eval_passk.py end to end on the device, as a user runs them (random model, countdown scored
     by a hash of the completion, as tests/test_es.py's fork test does, so that θ moves): ES with the master on the
-    device and on the CPU must write the same checkpoint bits; GRPO trains two steps;
-    eval_passk samples n = 8 per problem (the shared prefill: one KV cache copied to a prompt's rows)."""
+    device and on the CPU must write the same checkpoint bits; GRPO trains two steps; eval_passk samples n = 8 per
+    problem (the shared prefill: one KV cache copied to a prompt's rows)."""
     if not present("tyro"):
         raise Skip("tyro not installed (the scripts' command line)")
     arch = f"{ctx.sizes.small_model}-char"  # a vocabulary the size of the tokenizer's: every sampled id is a letter
@@ -683,8 +684,8 @@ def check_scripts(ctx: Context) -> list[str]:
     if ctx.cuda:
         rows.append(["checkpoints: master on cuda vs on cpu", "", "identical: "
                      + same_tensors(runs / "es-cuda" / "checkpoints" / "step_000003", final)])
-    seconds, _ = script(ctx, str(runs / "grpo_hashed.py"), "--model", model, "--steps", "2", "--prompts-per-step", "2", "--group-size",
-                        "4", "--max-new-tokens", "16", "--eval-prompts", "8", "--eval-every", "2",
+    seconds, _ = script(ctx, str(runs / "grpo_hashed.py"), "--model", model, "--steps", "2", "--prompts-per-step",
+                        "2", "--group-size", "4", "--max-new-tokens", "16", "--eval-prompts", "8", "--eval-every", "2",
                         "--out-dir", str(runs / "grpo"))
     rows.append(["grpo.py: 2 steps of 2 prompts × G = 4", f"{seconds:.1f}", "exit 0; gradient norms "
                  + ", ".join(f"{x:.3g}" for x in metric(runs / "grpo", "grad_norm"))])
@@ -697,6 +698,7 @@ def check_scripts(ctx: Context) -> list[str]:
     return [table(["script", "seconds", "result"], rows), "",
             f"random {arch} (a vocabulary of 128), model dtype auto ({'bf16' if ctx.cuda else 'fp32'}); logs in "
             f"{ctx.out}/scripts.log"]
+
 
 CHECKS: list[tuple[int, str, Callable[[Context], list[str]], str]] = [  # number, title, function, where it runs:
     (1, "Machine, optional packages, CUDA context", check_machine, "anywhere"),  # "cuda": GPU only; "device": or --dry
