@@ -583,26 +583,38 @@ def check_vllm(ctx: Context) -> list[str]:
             "engine loaded its staged θ through sync_weights"]
 
 
+def script(ctx: Context, name: str, *argv: str, log: str = "scripts.log") -> tuple[float, str]:
+    """Run a script (a path, or one relative to the repo root) as a user would, in its own killable process group;
+    its output is appended to OUT/`log`; (seconds, output). A non-zero exit raises with the output's last line."""
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(ROOT / name), *argv], start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output, _ = proc.communicate(timeout=max(ctx.budget - 5, 1))  # the check's alarm normally comes first
+    except BaseException:  # its time budget, or an interrupt: no orphaned script may keep the GPU
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    with open(ctx.out / log, "a") as f:
+        f.write(f"$ {Path(name).name} {' '.join(argv)}\n{output}\n")
+    if proc.returncode != 0:
+        tail = [line for line in output.splitlines() if line.strip()][-1:] or ["(no output)"]
+        raise RuntimeError(f"{Path(name).name} exited {proc.returncode}: {tail[0]} (see {log})")
+    return time.monotonic() - start, output
+
+
 def check_trl(ctx: Context) -> list[str]:
     missing = [m for m in ("trl", "tyro") if not present(m)]
     if missing:
         raise Skip(f"trl/tyro not installed (missing: {', '.join(missing)})")
     s, out = ctx.sizes, ctx.out / "grpo_vs_trl.md"
-    command = [sys.executable, str(Path(__file__).resolve().parent / "grpo_vs_trl.py"), "--model",
-               ctx.model(s.es_models[0]), "--dtype", "float32" if ctx.dry else "bfloat16", "--device", ctx.device,
-               "--prompts", "8" if ctx.cuda else "2", "--group-size", str(s.micro_batch), "--max-new-tokens",
-               "256" if ctx.cuda else str(s.new_tokens), "--steps", "2", "--out", str(out)]
-    proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        log, _ = proc.communicate(timeout=max(ctx.budget - 5, 1))
-    except BaseException:  # its time budget, or an interrupt: no orphaned side process may keep the GPU
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
-    (ctx.out / "grpo_vs_trl.log").write_text(log)
-    if proc.returncode != 0 or not out.is_file():
-        raise RuntimeError(f"grpo_vs_trl.py exited {proc.returncode}: see grpo_vs_trl.log")
+    (ctx.out / "grpo_vs_trl.log").unlink(missing_ok=True)
+    script(ctx, "bench/grpo_vs_trl.py", "--model", ctx.model(s.es_models[0]), "--dtype",
+           "float32" if ctx.dry else "bfloat16", "--device", ctx.device, "--prompts", "8" if ctx.cuda else "2",
+           "--group-size", str(s.micro_batch), "--max-new-tokens", "256" if ctx.cuda else str(s.new_tokens), "--steps",
+           "2", "--out", str(out), log="grpo_vs_trl.log")
+    if not out.is_file():
+        raise RuntimeError(f"grpo_vs_trl.py wrote no {out.name}: see grpo_vs_trl.log")
     return [line for line in out.read_text().splitlines() if not line.startswith("# ")]
 
 
@@ -611,26 +623,6 @@ HASH_REWARD = """import sys, zlib; sys.path.insert(0, {root!r}); import {m}, com
 if __name__ == "__main__":
     {m}.main(common.cli({m}.Args))
 """
-
-
-def script(ctx: Context, name: str, *argv: str) -> tuple[float, str]:
-    """Run a script (a path, or one of the project's) as a user would (its own process, its killable process group);
-    (seconds, log). A non-zero exit raises with the log's last line."""
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(ROOT / name), *argv], cwd=ROOT, start_new_session=True, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        log, _ = proc.communicate(timeout=max(ctx.budget - (time.monotonic() - start), 1))
-    except BaseException:  # its time budget, or an interrupt: no orphaned script may keep the GPU
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
-    with open(ctx.out / "scripts.log", "a") as f:
-        f.write(f"$ {Path(name).name} {' '.join(argv)}\n{log}\n")
-    if proc.returncode != 0:
-        tail = [line for line in log.splitlines() if line.strip()][-1:] or ["(no output)"]
-        raise RuntimeError(f"{name} exited {proc.returncode}: {tail[0]}")
-    return time.monotonic() - start, log
 
 
 def same_tensors(a: Path, b: Path) -> str:
@@ -648,10 +640,9 @@ def same_tensors(a: Path, b: Path) -> str:
     return f"yes ({len(files)} files)"
 
 
-def metric(run: Path, suffix: str) -> list[float]:
-    """The training rows' values of the metric whose key ends in `suffix`, from a run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [v for r in rows for k, v in r.items() if k.endswith(suffix)]
+def values(run: Path, key: str) -> list[float]:
+    """A metric's logged values, step by step (common.load_curves)."""
+    return [value for _, value in common.load_curves(run, [key])[key]]
 
 
 def check_scripts(ctx: Context) -> list[str]:
@@ -675,7 +666,7 @@ def check_scripts(ctx: Context) -> list[str]:
     for master in ("cuda", "cpu") if ctx.cuda else ("cpu",):
         seconds, _ = script(ctx, str(runs / "es_hashed.py"), *es, "--master-device", master,
                             "--out-dir", str(runs / f"es-{master}"))
-        norms = metric(runs / f"es-{master}", "es/update_norm")
+        norms = values(runs / f"es-{master}", "es/update_norm")
         if not any(norms):
             raise RuntimeError(f"es.py (master on {master}) never updated θ: the comparison would be vacuous")
         rows.append([f"es.py, master on {master}: 3 iterations, N = 4", f"{seconds:.1f}",
@@ -688,7 +679,7 @@ def check_scripts(ctx: Context) -> list[str]:
                         "2", "--group-size", "4", "--max-new-tokens", "16", "--eval-prompts", "8", "--eval-every", "2",
                         "--out-dir", str(runs / "grpo"))
     rows.append(["grpo.py: 2 steps of 2 prompts × G = 4", f"{seconds:.1f}", "exit 0; gradient norms "
-                 + ", ".join(f"{x:.3g}" for x in metric(runs / "grpo", "grad_norm"))])
+                 + ", ".join(f"{x:.3g}" for x in values(runs / "grpo", "grpo/grad_norm"))])
     seconds, _ = script(ctx, "eval_passk.py", "--models", f"base={model}", f"es={final}", "--base", "base",
                         "--num-problems", "8", "--n", "8", "--max-new-tokens", "16", "--out-dir", str(runs / "passk"))
     report = json.loads((runs / "passk" / "passk.json").read_text())
