@@ -189,8 +189,10 @@ def uncertainty(report: dict, reference: str, resamples: int, seed: int) -> dict
     methods = {name: [label for label in method_of if method_of[label] == name] for name in method_of.values()}
     methods = {name: labels for name, labels in methods.items() if len(labels) > 1}  # one seed: nothing to pool
     rows: dict[str, dict] = {}
+    draws_of: dict[str, np.ndarray] = {}  # task → its resamples of the problems, shared by every row of the task
     for task, ref in results[reference].items():
-        draws = bootstrap_draws(len(ref["correct_counts"]), resamples, derive_seed(seed, "bootstrap", task))
+        draws = draws_of[task] = bootstrap_draws(len(ref["correct_counts"]), resamples,
+                                                 derive_seed(seed, "bootstrap", task))
         values = {label: per_problem(r[task], report["n"], report["ks"]) for label, r in results.items()}  # (P, M)
         values |= {name: np.mean([values[label] for label in labels], 0) for name, labels in methods.items()}
         for label, v in values.items():
@@ -200,15 +202,16 @@ def uncertainty(report: dict, reference: str, resamples: int, seed: int) -> dict
                 for cell, d_mean, lo, hi, n_won, n_lost in zip(cells, *diff.tolist(), won.tolist(), lost.tolist()):
                     cell |= {"diff": d_mean, "diff_ci": [lo, hi], "won": n_won, "lost": n_lost}
             rows.setdefault(label, {})[task] = dict(zip(metrics, cells))
-    sparsity: dict[str, list] = {}  # each θ_τ's pass@1 and its paired difference from the full θ, on the main task
-    for label, sp in report.get("sparsity", {}).items():  # (the resamples of the main task's row above)
+    sparsity: dict[str, list] = {}  # each θ_τ's pass@1 and its paired difference from the full θ, on the resamples
+    for label, sp in report.get("sparsity", {}).items():  # of the main task's rows
+        draws = draws_of[report["task"]]
         full = np.array(results[label][report["task"]]["correct_counts"])[:, None] / report["n"]  # (P, 1): c/n
-        draws = bootstrap_draws(len(full), resamples, derive_seed(seed, "bootstrap", report["task"]))
         sparsity[label] = []
         for row in sp["taus"]:
             v = np.array(row["correct_counts"])[:, None] / report["n"]
             diff, won, lost = paired(v, full, draws)
-            (mean, lo, hi), (d, d_lo, d_hi) = interval(v, draws)[:, 0].tolist(), diff[:, 0].tolist()
+            mean, lo, hi = interval(v, draws)[:, 0].tolist()
+            d, d_lo, d_hi = diff[:, 0].tolist()
             sparsity[label].append({"tau": row["tau"], "mean": mean, "ci": [lo, hi], "diff": d, "diff_ci": [d_lo, d_hi],
                                     "won": int(won[0]), "lost": int(lost[0])})
     return {"reference": reference, "resamples": resamples, "seed": seed, "methods": methods, "rows": rows,
@@ -367,7 +370,8 @@ def markdown(report: dict) -> str:
             lines.append(f"| {label} | full | 0.0% | {sp['d_rel']:.2e} | {ci(full['mean'], full['ci'])} | — |")
             for row, c in zip(sp["taus"], u["sparsity"][label]):
                 lines.append(f"| {label} | {row['tau']:g} | {100 * row['s_tau']:.1f}% | {row['d_rel']:.2e} | "
-                             f"{ci(c['mean'], c['ci'])} | {ci(c['diff'], c['diff_ci'], '+.1f')} {c['won']}/{c['lost']} |")
+                             f"{ci(c['mean'], c['ci'])} | {ci(c['diff'], c['diff_ci'], '+.1f')} "
+                             f"{c['won']}/{c['lost']} |")
     return "\n".join(lines) + "\n"
 
 
