@@ -573,13 +573,14 @@ def make_countdown(count: int, seed: int, sizes: Sequence[int] = (3, 4), max_num
 
 
 def make_arith(count: int, seed: int, max_number: int = 20, ops: str = "+-") -> list[Problem]:
-    """`count` distinct problems "What is a ± b?" (1 ≤ a, b ≤ max_number), the small task the Quickstart trains on."""
+    """`count` distinct problems "What is a ± b?" (1 ≤ a, b ≤ max_number; `ops` may also hold "*"), the small task
+    the Quickstart trains on."""
     rng, seen, problems = random.Random(seed), set(), []
     while len(problems) < count:
         a, b, op = rng.randint(1, max_number), rng.randint(1, max_number), rng.choice(ops)
         if (a, op, b) not in seen:
             seen.add((a, op, b))
-            problems.append(Problem(f"What is {a} {op} {b}?", str(a + b if op == "+" else a - b)))
+            problems.append(Problem(f"What is {a} {op} {b}?", str({"+": a + b, "-": a - b, "*": a * b}[op])))
     return problems
 
 
@@ -682,6 +683,8 @@ def score(task: Task, problem: Problem, completion: str) -> tuple[float, bool]:
     gsm8k, arith ([ES-LLM] artifact): reward from the last \\boxed{…} only — 1.0 if it equals the gold answer after
       MATH normalisation, 0.1 if boxed but wrong, 0.0 without a box; correct = math-verify on the whole completion,
       or when it extracts nothing the last `#### x`, else the last \\boxed{x}, else "answer is x" (numbers exact).
+      arith's verdict skips math-verify: it evaluates expressions, so restating the question ("… 21 + 17") counted
+      as answering it (29 % of SmolLM2's "correct" samples on sums ≤ 50); correct = `extract_answer` equals gold.
     math500: correct = math-verify; reward 1.0 correct, 0.1 boxed but wrong, 0.0 otherwise.
     """
     if task == "countdown":
@@ -694,6 +697,8 @@ def score(task: Task, problem: Problem, completion: str) -> tuple[float, bool]:
         correct = bool(_math_verify(problem.answer, completion, task))
         return (1.0 if correct else 0.1 if boxed is not None else 0.0), correct
     reward = 0.0 if boxed is None else 1.0 if _normalize_math(boxed) == _normalize_math(problem.answer) else 0.1
+    if task == "arith":
+        return reward, extract_answer(task, completion) == _exact(problem.answer)
     verdict = _math_verify(problem.answer, completion, task)
     if verdict is None:  # math-verify found no answer: the artifact's fallback extraction, compared as numbers
         found = _fallback_answer(completion)

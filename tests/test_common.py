@@ -529,6 +529,12 @@ def test_arith_task_is_generated_disjoint_and_scored_like_gsm8k() -> None:
         assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b)) and 1 <= int(a) <= 20
     p = train[0]
     assert score("arith", p, f"{p.question[8:-1]} = \\boxed{{{p.answer}}}") == (1.0, True)
+    # the verdict is the final answer, never the question restated (math-verify would evaluate "21 + 17" to 38)
+    q = Problem("What is 21 + 17?", "38")
+    assert score("arith", q, "To find 21 + 17, we simply add them: 21 + 17") == (0.0, False)
+    assert score("arith", q, "21 + 17 = 38.") == (0.0, True)  # unboxed: no reward, but right
+    assert score("arith", q, "21 + 17 = 38. The answer is \\boxed{39}.") == (0.1, False)  # the box is the answer
+    assert score("arith", Problem("What is 5 - 9?", "-4"), "5 - 9 = -4") == (0.0, True)
     example = "Q: What is 2 + 3?\nA: 2 + 3 = 5. The answer is \\boxed{5}.\n"
     assert render_prompt("arith", p) == f"{example}Q: {p.question}\nA:"
 
