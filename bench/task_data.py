@@ -6,7 +6,8 @@ experiments (README "Results (CPU, SmolLM2-135M)") train on easier variants that
   countdown   common.make_countdown with other sizes/ranges; records {numbers, target}; `--task countdown`.
   arith       one- or two-step word problems in GSM8K's format (question, answer "… #### N"); `--task gsm8k`, scored by
               GSM8K's rule (\\boxed{} answer, else the last number). Templates below; --max-number sets the size.
-  sums        the `arith` task's "What is a ± b?" (common.make_arith) with other number ranges; `--task arith`.
+  sums        the `arith` task's "What is a ± b?" (common.make_arith) with other number ranges (--ops "*": "What is
+              a * b?"); `--task arith`.
 
 Train and test are disjoint (one seeded pool, split at the end):
 
@@ -41,6 +42,8 @@ class Args:
     """numbers are drawn from 1..max_number (arith: 2..max_number)"""
     steps: Literal[1, 2] = 1
     """arith: operations per word problem"""
+    ops: str = "+-"
+    """sums: the operations drawn from ("+-", or e.g. "*" for products)"""
     max_target: int = 30
     """countdown: targets are integers in 1..max_target"""
     train: int = 1000
@@ -94,13 +97,15 @@ def main(args: Args) -> None:
         die(f"--out {out} already exists; pick a new folder")
     if min(args.sizes) < 2 or args.max_number < 3 or args.max_target < 1:
         die("--sizes must be >= 2, --max-number >= 3 and --max-target >= 1")
+    if not args.ops or set(args.ops) - set("+-*"):
+        die(f"--ops '{args.ops}': use one or more of + - *")
     total = args.train + args.test
     if args.kind == "countdown":
         rows = [{"numbers": list(p.numbers), "target": p.target} for p in make_countdown(
             total, seed=args.seed, sizes=args.sizes, max_number=args.max_number, max_target=args.max_target)]
     elif args.kind == "sums":
         rows = [{"question": p.question, "answer": f"#### {p.answer}"}
-                for p in make_sums(total, args.seed, max_number=args.max_number)]
+                for p in make_sums(total, args.seed, max_number=args.max_number, ops=args.ops)]
     else:
         rows = make_arith(total, args.seed, args.max_number, args.steps)
     tmp = out.with_name(out.name + ".tmp")

@@ -67,6 +67,17 @@ def test_arith_answers_recomputed_from_the_question(tmp_path: Path, steps: int) 
         assert common.score("gsm8k", p, f"so \\boxed{{{p.answer}}}") == (1.0, True)
 
 
+def test_sums_with_products_are_right_and_scored(tmp_path: Path) -> None:
+    """--ops "*" writes "What is a * b?" with the product as gold; the arith task reads and scores it."""
+    task_data.main(task_data.Args(out=str(tmp_path / "p"), kind="sums", ops="*", max_number=12, train=30, test=20))
+    problems = [p for split in ("train", "test") for p in common.load_task("arith", split, str(tmp_path / "p"))]
+    assert len({p.question for p in problems}) == 50
+    for p in problems:
+        a, b = map(int, re.fullmatch(r"What is (\d+) \* (\d+)\?", p.question).groups())
+        assert int(p.answer) == a * b and 1 <= a <= 12 and 1 <= b <= 12
+        assert common.score("arith", p, f"{a} * {b} = {a * b}. The answer is \\boxed{{{a * b}}}.") == (1.0, True)
+
+
 def test_countdown_variant_is_solvable_and_in_range(tmp_path: Path) -> None:
     out = tmp_path / "cd"
     task_data.main(task_data.Args(out=str(out), kind="countdown", sizes=(3,), max_number=10, max_target=30,
