@@ -167,7 +167,7 @@ def run_all(args: Args) -> None:
                         ("products", ["--ops", "*", "--max-number", "15", "--train", "25", "--test", "200"])):
         run_step(args, f"data-{name}", out / "data" / name / "test.jsonl",
                  ["bench/task_data.py", "--kind", "sums", "--seed", "1", "--out", f"{out}/data/{name}", *flags])
-    for kind in ("eval", "heldout"):
+    for kind in ("heldout", "eval"):  # the held-out base first: the quickest check that the task is not at the floor
         evaluate(args, kind, "base", args.model, [])
     for seed in args.seeds:  # seed by seed: a study stopped early still has every method at its first seeds
         for method in METHODS:
