@@ -615,7 +615,11 @@ def check_trl(ctx: Context) -> list[str]:
            "2", "--out", str(out), log="grpo_vs_trl.log")
     if not out.is_file():
         raise RuntimeError(f"grpo_vs_trl.py wrote no {out.name}: see grpo_vs_trl.log")
-    return [line for line in out.read_text().splitlines() if not line.startswith("# ")]
+    lines = [line for line in out.read_text().splitlines() if not line.startswith("# ")]
+    failed = [line.split("|")[1].strip() for line in lines if "| failed (see stderr) |" in line]
+    if failed:  # grpo_vs_trl.py reports a side that crashed as a table row and still exits 0
+        raise RuntimeError(f"grpo_vs_trl.py: {' and '.join(failed)} failed; its stderr is in grpo_vs_trl.log")
+    return lines
 
 
 HASH_REWARD = """import sys, zlib; sys.path.insert(0, {root!r}); import {m}, common

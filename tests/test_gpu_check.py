@@ -93,6 +93,24 @@ def test_a_failing_check_is_recorded_and_the_run_goes_on(tmp_path: Path) -> None
     assert gpu_check.run_check(lambda ctx: ["| a |"], ctx, 10) == ("ok", ["| a |"])
 
 
+def test_the_trl_check_fails_when_a_side_of_its_table_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/grpo_vs_trl.py exits 0 with a crashed side as a "failed" row: check 9 must not read that as ok."""
+    ctx = gpu_check.Context(True, "cpu", gpu_check.DRY, tmp_path, tmp_path, {"qwen2-None": "m"})
+    rows = {"ours": "| ours | 1.0 | 2.0 |", "trl": "| trl | 0.21 | 2.1 |"}
+
+    def fake_script(ctx: gpu_check.Context, name: str, *argv: str, log: str = "") -> tuple[float, str]:
+        (tmp_path / "grpo_vs_trl.md").write_text("# title\n\n| side | version |\n" + "\n".join(rows.values()))
+        return 1.0, ""
+
+    monkeypatch.setattr(gpu_check, "present", lambda module: True)
+    monkeypatch.setattr(gpu_check, "script", fake_script)
+    monkeypatch.setattr(gpu_check.Context, "model", lambda self, arch, layers=None: "m")
+    assert gpu_check.run_check(gpu_check.check_trl, ctx, 10)[0] == "ok"
+    rows["trl"] = "| trl | failed (see stderr) |  |  |"
+    status, _ = gpu_check.run_check(gpu_check.check_trl, ctx, 10)
+    assert status.startswith("FAILED") and "trl failed" in status, status
+
+
 def test_a_check_over_its_budget_is_stopped(tmp_path: Path) -> None:
     ctx = gpu_check.Context(True, "cpu", gpu_check.DRY, tmp_path, tmp_path, {})
 
