@@ -30,18 +30,24 @@ class Args:
     """output PNG; the markdown table is printed"""
 
 
+def curves(runs: dict[str, Path], out: Path) -> list[str]:
+    """Plot the runs' curves to `out`; a markdown table of each metric's first → last value per run."""
+    found = plot_curves(runs, out, PANELS)
+    lines = ["| run | " + " | ".join(f"{name} (first → last)" for _, name in PANELS) + " |",
+             "|---" * (len(PANELS) + 1) + "|"]
+    for label, run_curves in found.items():
+        cells = [f"{p[0][1]:.3f} → {p[-1][1]:.3f}" if (p := run_curves[key]) else "–" for key, _ in PANELS]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(args: Args) -> None:
     runs = {}
     for spec in args.runs:
         label, _, path = spec.partition("=")
         runs[label] = Path(path or label)
         require((runs[label] / "metrics.jsonl").is_file(), f"no metrics.jsonl in '{runs[label]}'")
-    curves = plot_curves(runs, Path(args.out), PANELS)
-    print("| run | " + " | ".join(f"{name} (first → last)" for _, name in PANELS) + " |")
-    print("|---" * (len(PANELS) + 1) + "|")
-    for label, run_curves in curves.items():
-        cells = [f"{p[0][1]:.3f} → {p[-1][1]:.3f}" if (p := run_curves[key]) else "–" for key, _ in PANELS]
-        print(f"| {label} | " + " | ".join(cells) + " |")
+    print("\n".join(curves(runs, Path(args.out))))
     print(f"wrote {args.out}")
 
 

@@ -54,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import cli, derive_seed, die, load_curves, require  # noqa: E402
 from eval_passk import bootstrap_draws, markdown, paired, per_problem, plot, uncertainty  # noqa: E402
 
+import plot_curves  # noqa: E402  (bench/, beside this file)
+
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("es", "grpo", "grpo_es", "es_grpo")
 
@@ -340,6 +342,10 @@ def write_report(args: Args) -> Path:
     report = out / "report"
     report.mkdir(exist_ok=True)
     plot(main, report / "passk.png")
+    trained = {f"{run.name.rpartition('-s')[0]}@{run.name.rpartition('-s')[2]}": run
+               for run in sorted((out / "runs").glob("*-s*"))
+               if run.name.rpartition("-s")[0] in METHODS and (run / "metrics.jsonl").is_file()}
+    curves = plot_curves.curves(trained, report / "curves.png") if trained else []
     costs = json.loads((out / "costs.json").read_text()) if (out / "costs.json").exists() else {}
     lanes: dict[str, float] = {}
     for step, seconds in costs.items():
@@ -352,6 +358,7 @@ def write_report(args: Args) -> Path:
     for title, r in (("Held-out task (products)", heldout), ("Functional sparsity", sweep), ("Population", pop)):
         if r is not None:
             lines += [f"## {title} (n = {r['n']})", "", markdown(r)]
+    lines += ["## Training curves (report/curves.png; GRPO→ES and ES→GRPO on one step axis)", "", *curves, ""]
     lines += ["## Cost (wall seconds of each lane; a lane's steps summed)", "", "| lane | seconds | minutes |",
               "|---|---|---|", *[f"| {lane} | {s:.0f} | {s / 60:.1f} |" for lane, s in lanes.items()],
               f"| total | {sum(lanes.values()):.0f} | {sum(lanes.values()) / 60:.1f} |"]
