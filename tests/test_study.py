@@ -81,3 +81,28 @@ def test_steps_skip_when_done_and_a_failed_step_stops_the_study(tmp_path: Path) 
     with pytest.raises(SystemExit, match="step fails failed"):
         study.run_step(args, "fails", other, ["-c", "raise SystemExit(3)"], partial=other.parent)
     assert not other.parent.exists()  # the partial folder was removed before the retry, and nothing marks it done
+
+
+def test_the_claim_table_of_a_study_still_running(tmp_path: Path) -> None:
+    """Only the rows whose methods are evaluated; verdicts by the rule: ES ahead of base on 20 of 30 problems and
+    never behind is reproduced, GRPO behind ES at pass@4 everywhere makes ES-vs-GRPO reproduced."""
+    base = [0] * 30
+    for label, counts in (("base", base), ("es@0", [2] * 20 + [0] * 10), ("es@1", [1] * 20 + [0] * 10),
+                          ("grpo@0", base)):
+        write_eval(tmp_path / "eval", label, counts, [0] * 30)
+    main = study.merged(tmp_path, "eval")
+    (tmp_path / "runs" / "grpo-s0").mkdir(parents=True)
+    (tmp_path / "runs" / "grpo-s0" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "grpo/entropy": e}) + "\n" for s, e in ((1, 0.9), (2, 0.5))))
+    lines = study.claims(tmp_path, main, None, None, None)
+    table = {line.split(" | ")[0][2:]: line for line in lines[2:]}
+    assert set(table) == {"(a) ES raises pass@1", "(a) ES reaches a higher pass@4 than GRPO",
+                          "(a) GRPO's token entropy falls (first → last update, nats)"}
+    assert table["(a) ES raises pass@1"].endswith("2/2 seeds up | reproduced |")
+    assert "+25.0 [" in table["(a) ES raises pass@1"]  # mean over problems of (2/4 + 1/4)/2 on 20 of 30: 25 points
+    assert table["(a) ES reaches a higher pass@4 than GRPO"].endswith("| reproduced |")
+    entropy = table["(a) GRPO's token entropy falls (first → last update, nats)"]
+    assert "0.900 → 0.500; 1/1 seeds down | reproduced |" in entropy
+    (tmp_path / "eval" / "grpo@0" / "passk.json").unlink()  # GRPO not evaluated yet: no row compares with it
+    lines = study.claims(tmp_path, study.merged(tmp_path, "eval"), None, None, None)
+    assert [line.split(" | ")[0][2:] for line in lines[2:]] == ["(a) ES raises pass@1"]
