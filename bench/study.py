@@ -102,7 +102,7 @@ class Args:
 
 # ---------------------------------------------------------------------------------------------------- steps
 def run_step(args: Args, name: str, done: Path, argv: list[str], partial: Optional[Path] = None) -> None:
-    """Run `python argv` unless `done` exists; log to logs/NAME.log, add its wall time to costs.json. `partial`: a
+    """Run `python argv` unless `done` exists; log to logs/NAME.log, its wall time to costs.json. `partial`: a
     folder a killed attempt leaves behind that the script cannot resume (removed first)."""
     out = Path(args.out)
     if done.exists():
@@ -120,7 +120,7 @@ def run_step(args: Args, name: str, done: Path, argv: list[str], partial: Option
     if result.returncode != 0 or not done.exists():
         die(f"step {name} failed (exit {result.returncode}): see {log}")
     costs = json.loads((out / "costs.json").read_text()) if (out / "costs.json").exists() else {}
-    costs[name] = costs.get(name, 0.0) + time.time() - start  # a resumed step adds its attempts
+    costs[name] = time.time() - start  # the attempt that completed it: a killed attempt's time is not counted
     (out / "costs.json").write_text(json.dumps(costs, indent=1))
     print(f"[{time.strftime('%H:%M:%S')}] {name} done in {time.time() - start:.0f} s", flush=True)
 
