@@ -138,19 +138,21 @@ def train(args: Args, method: str, seed: int, pop: int = 8) -> Path:
     """Train one run (resuming a killed one) and return its final checkpoint."""
     label = f"{method}{'' if pop == 8 else pop}-s{seed}"
     run = Path(args.out) / "runs" / label
-    common = shared(args) + ["--seed", str(seed), "--out-dir", str(run), "--eval-every", "4", "--eval-prompts", "64"]
+    shared_flags = shared(args) + ["--seed", str(seed), "--out-dir", str(run), "--eval-every", "4", "--eval-prompts",
+                                   "64"]
     resume = ["--resume", str(run)] if (run / "args.json").exists() else []
     if method in ("es", "grpo"):
         final = run / "checkpoints" / f"step_{args.updates:06d}"
         flags = ES[:1] + [str(pop)] + ES[2:] + ["--iterations"] if method == "es" else GRPO + ["--steps"]
-        run_step(args, label, final / "state.json", [f"{method}.py", *common, *flags, str(args.updates), "--save-every",
-                                                     "2", "--keep-last", "1", *resume])
+        run_step(args, label, final / "state.json", [f"{method}.py", *shared_flags, *flags, str(args.updates),
+                                                     "--save-every", "2", "--keep-last", "1", *resume])
         return final
     order = "grpo-es" if method == "grpo_es" else "es-grpo"  # grpo_es.py does not resume: a killed run starts over
     stages = [f"--es.{f[2:]}" if f.startswith("--") else f for f in ES] + [
         f"--grpo.{f[2:]}" if f.startswith("--") else f for f in GRPO]
     run_step(args, label, run / "final" / "config.json",
-             ["grpo_es.py", *common, "--order", order, "--total-updates", str(args.updates), *stages], partial=run)
+             ["grpo_es.py", *shared_flags, "--order", order, "--total-updates", str(args.updates), *stages],
+             partial=run)
     return run / "final"
 
 
@@ -175,21 +177,22 @@ def run_all(args: Args) -> None:
                  ["bench/task_data.py", "--kind", "sums", "--seed", "1", "--out", f"{out}/data/{name}", *flags])
     for kind in ("heldout", "eval"):  # the held-out base first: the quickest check that the task is not at the floor
         evaluate(args, kind, "base", args.model, [])
+    es_final = {}  # seed → the main ES run's final checkpoint (also the sweep's θ and the population study's N = 8)
     for seed in args.seeds:  # seed by seed: a study stopped early still has every method at its first seeds
         for method in METHODS:
             final = train(args, method, seed)
+            if method == "es":
+                es_final[seed] = final
             for kind in ("eval", "heldout"):
                 evaluate(args, kind, f"{method}@{seed}", str(final), [])
         if seed == args.seeds[0]:
-            evaluate(args, "sweep", f"es@{seed}", str(out / "runs" / f"es-s{seed}" / "checkpoints" /
-                                                      f"step_{args.updates:06d}"),
+            evaluate(args, "sweep", f"es@{seed}", str(es_final[seed]),
                      ["--base", args.model, "--reset-tau", *map(str, args.taus)])
     for pop in args.pops:
         for seed in args.seeds:
             evaluate(args, "pop", f"es{pop}@{seed}", str(train(args, "es", seed, pop)), [])
     for seed in args.seeds:  # N = 8 on the population study's protocol: the main runs' checkpoints
-        evaluate(args, "pop", f"es8@{seed}", str(out / "runs" / f"es-s{seed}" / "checkpoints" /
-                                                 f"step_{args.updates:06d}"), [])
+        evaluate(args, "pop", f"es8@{seed}", str(es_final[seed]), [])
     evaluate(args, "pop", "base", args.model, [])
 
 
@@ -223,7 +226,6 @@ def merged(out: Path, kind: str) -> Optional[dict]:
     return report
 
 
-
 def values(report: dict, row: str, metric: str) -> np.ndarray:
     """(P,): v(x) of a label, or of METHOD@* (the mean over its seeds), for 'greedy' or 'pass@k'."""
     col = ["greedy", *[f"pass@{k}" for k in report["ks"]]].index(metric)
@@ -237,10 +239,11 @@ def effect(report: dict, a: str, b: str, metric: str) -> dict:
     each seed's own difference when a is METHOD@*."""
     va, vb = values(report, a, metric), values(report, b, metric)
     draws = bootstrap_draws(len(va), RESAMPLES, derive_seed(SEED, "bootstrap", report["task"]))
-    (mean, lo, hi), won, lost = (x[:, 0] if x.ndim == 2 else x[0] for x in paired(va[:, None], vb[:, None], draws))
+    diff, won, lost = paired(va[:, None], vb[:, None], draws)  # one column: (3, 1), (1,), (1,)
+    mean, lo, hi = diff[:, 0]
     seeds = [values(report, label, metric).mean() - vb.mean() for label in report["results"]
              if a.endswith("@*") and label.rpartition("@")[0] == a[:-2]]
-    return {"mean": 100 * mean, "ci": [100 * lo, 100 * hi], "won": int(won), "lost": int(lost),
+    return {"mean": 100 * mean, "ci": [100 * lo, 100 * hi], "won": int(won[0]), "lost": int(lost[0]),
             "seeds_up": sum(s > 0 for s in seeds), "seeds": len(seeds)}
 
 
