@@ -65,6 +65,29 @@ def test_derive_seed_is_stable_across_processes() -> None:
     assert int(out) == derive_seed(3, "member", 5, 1) != derive_seed(3, "member", 5, 2)
 
 
+def test_keep_freed_memory_serves_large_blocks_from_the_heap_and_keeps_them() -> None:
+    """In a fresh process (the setting is process-wide): a 64 MB block, the size of a batch's logits, is mmapped by
+    default and handed back when freed; after keep_freed_memory it comes from the heap and stays there for reuse."""
+    pytest.importorskip("ctypes").CDLL("libc.so.6").mallinfo2  # glibc ≥ 2.33
+    code = """if True:
+        import ctypes, sys, common
+        class Info(ctypes.Structure):
+            _fields_ = [(f, ctypes.c_size_t) for f in "arena ordblks smblks hblks hblkhd usm fsm uord ford keep".split()]
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype, libc.malloc.restype, libc.free.argtypes = Info, ctypes.c_void_p, [ctypes.c_void_p]
+        if sys.argv[1] == "keep":
+            common.keep_freed_memory()
+        before = libc.mallinfo2().hblkhd
+        block = libc.malloc(64 << 20)
+        mapped = libc.mallinfo2().hblkhd - before
+        libc.free(block)
+        print(mapped >> 20, libc.mallinfo2().ford >> 20)"""
+    run = lambda mode: [int(v) for v in subprocess.run([sys.executable, "-c", code, mode], capture_output=True,
+                                                       text=True, check=True, cwd=Path(__file__).parents[1]).stdout.split()]
+    (mapped, _), (kept_mapped, kept_free) = run("default"), run("keep")
+    assert mapped >= 64 and kept_mapped == 0 and kept_free >= 64  # MB: mmapped by default; heap, still held, after
+
+
 # ---------------------------------------------------------------------------------------------------- ES primitives
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_restore_is_bit_exact_after_many_cycles(tiny_model: str, dtype: str) -> None:
