@@ -11,19 +11,20 @@ The claims ([ES-LLM] abstract, §3–5) and what measures each, all against the 
   (e) no catastrophic forgetting on a held-out task                                              heldout/
   (f) the population size ES needs (one model size here: the size trend cannot be tested)       pop/
 
-Design (fixed before the run):
+Design (fixed before the run; the defaults are the size one 2-core CPU runs in about two hours):
   task       `arith` on sums and differences of numbers ≤ 50 ("What is 37 - 12?"; train 800 / test 300, disjoint),
              chat template, ≤ 24 new tokens. The base model solves it sometimes: headroom at both ends (README).
-  held out   products "What is a * b?" with a, b ≤ 12: another skill with the same answer format.
-  budget     matched in sampled completions: every update of every method is 64 completions (ES: N = 8 members ×
-             8 prompts, greedy; GRPO: 8 prompts × G = 8 samples) and every run gets --updates of them (GRPO→ES and
-             ES→GRPO: half each). Seeds --seeds for each method.
-  ES         σ = α = 5e-3 (the Quickstart's, which learns on `arith` in 6 iterations); GRPO lr 2e-5, β = 0, ε = 0.2.
+  held out   products "What is a * b?" with a, b ≤ 15: another skill with the same answer format.
+  budget     matched in sampled completions: every update of every method is 64 completions (ES: N members × 64/N
+             prompts, greedy; GRPO: 8 prompts × G = 8 samples) and every run gets --updates of them (GRPO→ES and
+             ES→GRPO: half each). Seeds --seeds for each of --methods.
+  ES         N = 8, σ = α = 5e-3 (the Quickstart's, which learns on `arith` in 6 iterations); GRPO lr 2e-5, β = 0,
+             ε = 0.2.
   evaluation eval_passk.py, one run per model (resumable model by model), the same --seed, batch size and problems
              for all: common random numbers. Main task: --problems test problems, n = --n at temperature 0.6 (pass@k,
-             k = 1 … n). Held out: --heldout-problems, n = --heldout-n. Sweep: ES seed 0 at --taus, n = --sweep-n.
-  population ES with N in --pops (and 8 from the main runs), every seed, evaluated like the held-out task (n =
-             --heldout-n on the main task); the other hyperparameters as the main ES runs.
+             k = 1 … n). Held out: --heldout-problems, n = --heldout-n. Sweep: ES seed 0 at --taus, n = --heldout-n.
+  population ES with N in --pops (and 8 from the main runs) at the same 64 completions an update (N × 64/N prompts),
+             seeds --pop-seeds, evaluated on the main task's problems at n = --heldout-n.
   verdicts   an effect claimed > 0 ((a) ES vs base at pass@1, ES vs GRPO at pass@n; (c) GRPO→ES vs base at pass@1
              and pass@n) is "reproduced" when the 95 % paired-bootstrap interval of its effect (seeds pooled:
              METHOD@*) lies above 0, "opposite" when it lies below 0, else "undecided at this power". A claim of no
@@ -74,20 +75,24 @@ class Args:
     """base model (a folder, or 'smollm2-135m')"""
     seeds: tuple[int, ...] = (0, 1, 2)
     """training seeds of every method"""
-    updates: int = 12
+    methods: tuple[Literal["es", "grpo", "grpo_es", "es_grpo"], ...] = ("es", "grpo", "grpo_es")
+    """trained methods (ES→GRPO, in no claim, is optional)"""
+    updates: int = 8
     """updates per training run (64 completions each)"""
     problems: int = 200
     """main-task test problems evaluated"""
-    n: int = 32
+    n: int = 16
     """samples per problem on the main task (pass@k up to k = n)"""
-    heldout_problems: int = 200
+    heldout_problems: int = 100
     """held-out test problems evaluated"""
-    heldout_n: int = 8
+    heldout_n: int = 4
     """samples per problem on the held-out task, the sweep's θ_τ and the population runs"""
     taus: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
     """sparsity thresholds τ for ES seed 0 (reset every change with |Δ| ≤ τ)"""
-    pops: tuple[int, ...] = (4, 16, 32)
-    """population sizes N of the population study, besides the main runs' 8"""
+    pops: tuple[int, ...] = (4, 16)
+    """population sizes N of the population study, besides the main runs' 8 (N divides 64: N × 64/N prompts)"""
+    pop_seeds: tuple[int, ...] = (0,)
+    """seeds of the population study (each a subset of --seeds: N = 8 is the main ES run)"""
     chat_template: bool = True
     """render prompts with the model's chat template"""
     max_new_tokens: int = 24
@@ -130,7 +135,13 @@ def shared(args: Args) -> list[str]:
             str(args.max_new_tokens)] + (["--chat-template"] if args.chat_template else ["--no-chat-template"])
 
 
-ES = ["--pop", "8", "--prompts-per-iter", "8", "--sigma", "5e-3", "--alpha", "5e-3"]
+COMPLETIONS = 64  # per update, every method: ES N members × 64/N prompts (greedy), GRPO 8 prompts × G = 8 samples
+
+
+def es_flags(pop: int = 8) -> list[str]:
+    return ["--pop", str(pop), "--prompts-per-iter", str(COMPLETIONS // pop), "--sigma", "5e-3", "--alpha", "5e-3"]
+
+
 GRPO = ["--prompts-per-step", "8", "--group-size", "8", "--lr", "2e-5", "--micro-batch-size", "16"]
 
 
@@ -143,12 +154,12 @@ def train(args: Args, method: str, seed: int, pop: int = 8) -> Path:
     resume = ["--resume", str(run)] if (run / "args.json").exists() else []
     if method in ("es", "grpo"):
         final = run / "checkpoints" / f"step_{args.updates:06d}"
-        flags = ES[:1] + [str(pop)] + ES[2:] + ["--iterations"] if method == "es" else GRPO + ["--steps"]
+        flags = es_flags(pop) + ["--iterations"] if method == "es" else GRPO + ["--steps"]
         run_step(args, label, final / "state.json", [f"{method}.py", *shared_flags, *flags, str(args.updates),
                                                      "--save-every", "2", "--keep-last", "1", *resume])
         return final
     order = "grpo-es" if method == "grpo_es" else "es-grpo"  # grpo_es.py does not resume: a killed run starts over
-    stages = [f"--es.{f[2:]}" if f.startswith("--") else f for f in ES] + [
+    stages = [f"--es.{f[2:]}" if f.startswith("--") else f for f in es_flags()] + [
         f"--grpo.{f[2:]}" if f.startswith("--") else f for f in GRPO]
     run_step(args, label, run / "final" / "config.json",
              ["grpo_es.py", *shared_flags, "--order", order, "--total-updates", str(args.updates), *stages],
@@ -179,7 +190,7 @@ def run_all(args: Args) -> None:
         evaluate(args, kind, "base", args.model, [])
     es_final = {}  # seed → the main ES run's final checkpoint (also the sweep's θ and the population study's N = 8)
     for seed in args.seeds:  # seed by seed: a study stopped early still has every method at its first seeds
-        for method in METHODS:
+        for method in ("es", *[m for m in args.methods if m != "es"]):  # ES always: the sweep and N = 8 use it
             final = train(args, method, seed)
             if method == "es":
                 es_final[seed] = final
@@ -189,9 +200,9 @@ def run_all(args: Args) -> None:
             evaluate(args, "sweep", f"es@{seed}", str(es_final[seed]),
                      ["--base", args.model, "--reset-tau", *map(str, args.taus)])
     for pop in args.pops:
-        for seed in args.seeds:
+        for seed in args.pop_seeds:
             evaluate(args, "pop", f"es{pop}@{seed}", str(train(args, "es", seed, pop)), [])
-    for seed in args.seeds:  # N = 8 on the population study's protocol: the main runs' checkpoints
+    for seed in args.pop_seeds:  # N = 8 on the population study's protocol: the main runs' checkpoints
         evaluate(args, "pop", f"es8@{seed}", str(es_final[seed]), [])
     evaluate(args, "pop", "base", args.model, [])
 
@@ -381,6 +392,8 @@ def write_report(args: Args) -> Path:
 def main(args: Args) -> None:
     require(args.updates >= 2 and args.n >= 1 and args.heldout_n >= 1 and args.problems >= 1,
             "--updates must be ≥ 2, --n, --heldout-n and --problems ≥ 1")
+    require(all(COMPLETIONS % pop == 0 for pop in args.pops), f"every --pops N must divide {COMPLETIONS}")
+    require(set(args.pop_seeds) <= set(args.seeds), "--pop-seeds must be among --seeds")
     if not args.report:
         run_all(args)
     write_report(args)

@@ -106,3 +106,30 @@ def test_the_claim_table_of_a_study_still_running(tmp_path: Path) -> None:
     (tmp_path / "eval" / "grpo@0" / "passk.json").unlink()  # GRPO not evaluated yet: no row compares with it
     lines = study.claims(tmp_path, study.merged(tmp_path, "eval"), None, None, None)
     assert [line.split(" | ")[0][2:] for line in lines[2:]] == ["(a) ES raises pass@1"]
+
+
+def test_the_plan_matches_budgets_and_the_population_study_keeps_64_completions(monkeypatch: pytest.MonkeyPatch,
+                                                                               tmp_path: Path) -> None:
+    """Every step of a study with the default flags (run_step recorded, nothing run): each method at each seed, ES at
+    N members × 64/N prompts, GRPO at 8 × 8; bad population flags stop it before anything runs."""
+    steps: dict[str, list[str]] = {}
+    monkeypatch.setattr(study, "run_step", lambda args, name, done, argv, partial=None: steps.setdefault(name, argv))
+    args = study.Args(out=str(tmp_path))
+    study.run_all(args)
+    flag = lambda name, f: steps[name][steps[name].index(f) + 1]  # noqa: E731
+    trained = sorted(name for name in steps if not name.startswith(("data-", "eval-", "heldout-", "sweep-", "pop-")))
+    assert trained == sorted([f"{m}-s{s}" for m in ("es", "grpo", "grpo_es") for s in (0, 1, 2)] + ["es16-s0", "es4-s0"])
+    for name, pop in (("es-s1", 8), ("es4-s0", 4), ("es16-s0", 16)):
+        assert int(flag(name, "--pop")) * int(flag(name, "--prompts-per-iter")) == 64 and int(flag(name, "--pop")) == pop
+        assert flag(name, "--iterations") == "8"
+    assert int(flag("grpo-s2", "--prompts-per-step")) * int(flag("grpo-s2", "--group-size")) == 64
+    assert flag("grpo_es-s0", "--total-updates") == "8" and flag("grpo_es-s0", "--order") == "grpo-es"
+    assert {f"eval-{m}@{s}" for m in ("base", "es", "grpo", "grpo_es") for s in (0, 1, 2)} - steps.keys() == {
+        "eval-base@0", "eval-base@1", "eval-base@2"} and "eval-base" in steps
+    assert {name for name in steps if name.startswith(("pop-", "sweep-"))} == {
+        "pop-es4@0", "pop-es16@0", "pop-es8@0", "pop-base", "sweep-es@0"}
+    assert flag("eval-es@0", "--n") == "16" and flag("pop-es4@0", "--n") == flag("heldout-grpo@1", "--n") == "4"
+    for bad, message in (({"pops": (5,)}, "must divide 64"), ({"pop_seeds": (3,)}, "among --seeds")):
+        with pytest.raises(SystemExit, match=message):
+            study.main(study.Args(out=str(tmp_path / "bad"), **bad))
+    assert not (tmp_path / "bad").exists()
