@@ -183,3 +183,11 @@ def test_shared_prefill_bench_samples_the_reference_tokens(tiny_model: str) -> N
     assert result.returncode == 0, result.stderr[-2000:]
     assert "3 problems × n = 3" in result.stdout and "same tokens: True" in result.stdout
     assert "| shared prefill (HFPolicy.generate) |" in result.stdout and "speed-up" in result.stdout
+
+
+def test_freed_memory_bench_compares_the_two_mallocs_on_the_same_tokens(tiny_model: str) -> None:
+    """bench/freed_memory.py on the tiny model: one process a side, both timed, the same tokens sampled."""
+    result = subprocess.run([sys.executable, "bench/freed_memory.py", "--model", tiny_model, "--rounds", "1", "--n", "2",
+                             "--max-new-tokens", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "| default |" in result.stdout and "| kept |" in result.stdout and "same tokens: True" in result.stdout
