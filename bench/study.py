@@ -23,8 +23,8 @@ Design (fixed before the run; the defaults are the size one 2-core CPU runs in a
   evaluation eval_passk.py, one run per model (resumable model by model), the same --seed, batch size and problems
              for all: common random numbers. Main task: --problems test problems, n = --n at temperature 0.6 (pass@k,
              k = 1 … n). Held out: --heldout-problems, n = --heldout-n. Sweep: ES seed 0 at --taus, n = --heldout-n.
-  population ES with N in --pops (and 8 from the main runs) at the same 64 completions an update (N × 64/N prompts),
-             seeds --pop-seeds, evaluated on the main task's problems at n = --heldout-n.
+  population ES with N in --pops at the same 64 completions an update (N × 64/N prompts), seeds --pop-seeds, and the
+             main runs' N = 8 at every seed, evaluated on the main task's problems at n = --heldout-n.
   verdicts   an effect claimed > 0 ((a) ES vs base at pass@1, ES vs GRPO at pass@n; (c) GRPO→ES vs base at pass@1
              and pass@n) is "reproduced" when the 95 % paired-bootstrap interval of its effect (seeds pooled:
              METHOD@*) lies above 0, "opposite" when it lies below 0, else "undecided at this power". A claim of no
@@ -92,7 +92,7 @@ class Args:
     pops: tuple[int, ...] = (4, 16)
     """population sizes N of the population study, besides the main runs' 8 (N divides 64: N × 64/N prompts)"""
     pop_seeds: tuple[int, ...] = (0,)
-    """seeds of the population study (each a subset of --seeds: N = 8 is the main ES run)"""
+    """seeds of the population study's runs (among --seeds; N = 8 is the main ES runs, every seed)"""
     chat_template: bool = True
     """render prompts with the model's chat template"""
     max_new_tokens: int = 24
@@ -202,7 +202,7 @@ def run_all(args: Args) -> None:
     for pop in args.pops:
         for seed in args.pop_seeds:
             evaluate(args, "pop", f"es{pop}@{seed}", str(train(args, "es", seed, pop)), [])
-    for seed in args.pop_seeds:  # N = 8 on the population study's protocol: the main runs' checkpoints
+    for seed in args.seeds:  # N = 8 on the population study's protocol: the main runs, every seed (for (b)'s ρ)
         evaluate(args, "pop", f"es8@{seed}", str(es_final[seed]), [])
     evaluate(args, "pop", "base", args.model, [])
 
@@ -335,7 +335,7 @@ def population(out: Path, pop: dict) -> list[str]:
     enough = [size for size in sizes if gains[size]["ci"][0] > 0]
     lines.append("| (f) the population ES needs (pass@1 vs base; one model size: the size trend is not testable) | " +
                  "; ".join(f"N = {size}: {gains[size]['mean']:+.1f} [{gains[size]['ci'][0]:+.1f}, "
-                           f"{gains[size]['ci'][1]:+.1f}]" for size in sizes) +
+                           f"{gains[size]['ci'][1]:+.1f}] ({gains[size]['seeds']} seeds)" for size in sizes) +
                  f" | smallest N above base: {enough[0] if enough else 'none at this budget'} |")
     x, y = [], []
     for label in pop["results"]:

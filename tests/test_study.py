@@ -127,7 +127,7 @@ def test_the_plan_matches_budgets_and_the_population_study_keeps_64_completions(
     assert {f"eval-{m}@{s}" for m in ("base", "es", "grpo", "grpo_es") for s in (0, 1, 2)} - steps.keys() == {
         "eval-base@0", "eval-base@1", "eval-base@2"} and "eval-base" in steps
     assert {name for name in steps if name.startswith(("pop-", "sweep-"))} == {
-        "pop-es4@0", "pop-es16@0", "pop-es8@0", "pop-base", "sweep-es@0"}
+        "pop-es4@0", "pop-es16@0", "pop-es8@0", "pop-es8@1", "pop-es8@2", "pop-base", "sweep-es@0"}
     assert flag("eval-es@0", "--n") == "16" and flag("pop-es4@0", "--n") == flag("heldout-grpo@1", "--n") == "4"
     for bad, message in (({"pops": (5,)}, "must divide 64"), ({"pop_seeds": (3,)}, "among --seeds")):
         with pytest.raises(SystemExit, match=message):
