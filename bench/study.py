@@ -89,7 +89,7 @@ class Args:
     """samples per problem on the held-out task, the sweep's θ_τ and the population runs"""
     taus: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
     """sparsity thresholds τ for ES seed 0 (reset every change with |Δ| ≤ τ)"""
-    pops: tuple[int, ...] = (4, 16)
+    pops: tuple[int, ...] = (4,)
     """population sizes N of the population study, besides the main runs' 8 (N divides 64: N × 64/N prompts)"""
     pop_seeds: tuple[int, ...] = (0,)
     """seeds of the population study's runs (among --seeds; N = 8 is the main ES runs, every seed)"""
