@@ -22,7 +22,8 @@ Design (fixed before the run; the defaults are the size one 2-core CPU runs in a
              ε = 0.2.
   evaluation eval_passk.py, one run per model (resumable model by model), the same --seed, batch size and problems
              for all: common random numbers. Main task: --problems test problems, n = --n at temperature 0.6 (pass@k,
-             k = 1 … n). Held out: --heldout-problems, n = --heldout-n. Sweep: ES seed 0 at --taus, n = --heldout-n.
+             k = 1 … n). Held out (ES and GRPO, the methods (e) asks about): --heldout-problems, n = --heldout-n.
+             Sweep: ES seed 0 at --taus, n = --heldout-n.
   population ES with N in --pops at the same 64 completions an update (N × 64/N prompts), seeds --pop-seeds, and the
              main runs' N = 8 at every seed, evaluated on the main task's problems at n = --heldout-n.
   verdicts   an effect claimed > 0 ((a) ES vs base at pass@1, ES vs GRPO at pass@n; (c) GRPO→ES vs base at pass@1
@@ -194,7 +195,7 @@ def run_all(args: Args) -> None:
             final = train(args, method, seed)
             if method == "es":
                 es_final[seed] = final
-            for kind in ("eval", "heldout"):
+            for kind in ("eval", "heldout") if method in ("es", "grpo") else ("eval",):  # (e) asks of ES and GRPO
                 evaluate(args, kind, f"{method}@{seed}", str(final), [])
         if seed == args.seeds[0]:
             evaluate(args, "sweep", f"es@{seed}", str(es_final[seed]),

@@ -120,13 +120,15 @@ def test_the_plan_matches_budgets_and_the_population_study_keeps_64_completions(
     trained = sorted(name for name in steps if not name.startswith(("data-", "eval-", "heldout-", "sweep-", "pop-")))
     assert trained == sorted([f"{m}-s{s}" for m in ("es", "grpo", "grpo_es") for s in (0, 1, 2)] + ["es4-s0"])
     for name, pop in (("es-s1", 8), ("es4-s0", 4)):
-        assert int(flag(name, "--pop")) * int(flag(name, "--prompts-per-iter")) == 64 and int(flag(name, "--pop")) == pop
+        assert int(flag(name, "--pop")) == pop and int(flag(name, "--prompts-per-iter")) == 64 // pop
         assert flag(name, "--iterations") == "8"
     assert study.es_flags(16)[:4] == ["--pop", "16", "--prompts-per-iter", "4"]
     assert int(flag("grpo-s2", "--prompts-per-step")) * int(flag("grpo-s2", "--group-size")) == 64
     assert flag("grpo_es-s0", "--total-updates") == "8" and flag("grpo_es-s0", "--order") == "grpo-es"
     assert {f"eval-{m}@{s}" for m in ("base", "es", "grpo", "grpo_es") for s in (0, 1, 2)} - steps.keys() == {
         "eval-base@0", "eval-base@1", "eval-base@2"} and "eval-base" in steps
+    assert {name for name in steps if name.startswith("heldout-")} == {
+        "heldout-base", *[f"heldout-{m}@{s}" for m in ("es", "grpo") for s in (0, 1, 2)]}
     assert {name for name in steps if name.startswith(("pop-", "sweep-"))} == {
         "pop-es4@0", "pop-es8@0", "pop-es8@1", "pop-es8@2", "pop-base", "sweep-es@0"}
     assert flag("eval-es@0", "--n") == "16" and flag("pop-es4@0", "--n") == flag("heldout-grpo@1", "--n") == "4"
