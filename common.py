@@ -117,7 +117,7 @@ def keep_freed_memory() -> None:
     """Let glibc keep freed memory in the process. Every decoding step allocates fresh logits (256 rows × 49k
     vocabulary: 50 MB) and KV tensors; by default glibc maps each large block anew and hands it back when freed, so its
     pages fault in again every step: the kernel took ~40 % of a 2-core CPU's time in eval_passk. The same results,
-    ~1.9x faster (bench/freed_memory.py). A no-op where the C library is not glibc."""
+    2.1x faster (bench/freed_memory.py). A no-op where the C library is not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

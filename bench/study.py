@@ -336,7 +336,8 @@ def population(out: Path, pop: dict) -> list[str]:
     enough = [size for size in sizes if gains[size]["ci"][0] > 0]
     lines.append("| (f) the population ES needs (pass@1 vs base; one model size: the size trend is not testable) | " +
                  "; ".join(f"N = {size}: {gains[size]['mean']:+.1f} [{gains[size]['ci'][0]:+.1f}, "
-                           f"{gains[size]['ci'][1]:+.1f}] ({gains[size]['seeds']} seeds)" for size in sizes) +
+                           f"{gains[size]['ci'][1]:+.1f}] ({gains[size]['seeds']} seed{'s' * (gains[size]['seeds'] != 1)})"
+                           for size in sizes) +
                  f" | smallest N above base: {enough[0] if enough else 'none at this budget'} |")
     x, y = [], []
     for label in pop["results"]:
@@ -372,7 +373,8 @@ def write_report(args: Args) -> Path:
     costs = json.loads((out / "costs.json").read_text()) if (out / "costs.json").exists() else {}
     lanes: dict[str, float] = {}
     for step, seconds in costs.items():
-        lane = step.split("@")[0] if step.startswith(("eval-", "heldout-", "pop-", "sweep-")) else step.split("-s")[0]
+        lane = (step.split("@")[0] if step.startswith(("eval-", "heldout-", "pop-", "sweep-")) else
+                step if step.startswith("data-") else step.split("-s")[0])
         lanes[lane] = lanes.get(lane, 0.0) + seconds
     lines = [f"# Study: [ES-LLM]'s claims on {args.model}", "",
              f"Written by `python bench/study.py --out {args.out} --report` from the run directory.", "", "## Claims",
