@@ -77,7 +77,7 @@ class Args:
     seeds: tuple[int, ...] = (0, 1, 2)
     """training seeds of every method"""
     methods: tuple[Literal["es", "grpo", "grpo_es", "es_grpo"], ...] = ("es", "grpo", "grpo_es")
-    """trained methods (ES→GRPO, in no claim, is optional)"""
+    """trained methods (ES→GRPO, in no claim, is optional); ES runs whatever this says: the sweep and N = 8 use it"""
     updates: int = 8
     """updates per training run (64 completions each)"""
     problems: int = 200
