@@ -34,7 +34,7 @@ instant (Ctrl-C, kill) and resumed ends with exactly the weights of an uninterru
 batching) are only statistically reproducible.
 
 Run it:
-  CPU, the embedded SmolLM2-135M-Instruct on small sums (the README's Quickstart, ~10 min on 2 cores):
+  CPU, the embedded SmolLM2-135M-Instruct on small sums (the README's Quickstart, 3–10 min on 2 cores):
     python es.py --task arith --chat-template --pop 8 --prompts-per-iter 8 --max-new-tokens 24 --sigma 5e-3 \
         --alpha 5e-3 --iterations 6 --eval-every 3 --eval-prompts 64
   GPU, the [ES-LLM] artifact's GSM8K protocol (234 iterations; data from the hub or a folder, see README):
