@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/quickstart_seeds.sh — the README's Quickstart check: does ES learn, for three seeds, more than its noise?
-# The Quickstart's command with --seed 0, 1, 2 (about 10 minutes each on 2 CPU cores), then every final checkpoint
-# and the base side by side on the same 200 held-out arith problems (eval_passk.py, greedy; the runs are labelled
+# The Quickstart's command with --seed 0, 1, 2 (3–10 minutes each on the 2-core CPUs measured), then every final
+# checkpoint and the base side by side on the same 200 held-out arith problems (eval_passk.py, greedy; the runs are labelled
 # LABEL@SEED, so its passk.md also pools them as LABEL@*), and the paired greedy reward and accuracy differences
 # against the base (bench/paired_greedy.py). Rerunning skips finished runs.
 #
