@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # bench/quickstart_seeds.sh — the README's Quickstart check: does ES learn, for three seeds, more than its noise?
 # The Quickstart's command with --seed 0, 1, 2 (3–10 minutes each on the 2-core CPUs measured), then every final
-# checkpoint and the base side by side on the same 200 held-out arith problems (eval_passk.py, greedy; the runs are labelled
-# LABEL@SEED, so its passk.md also pools them as LABEL@*), and the paired greedy reward and accuracy differences
-# against the base (bench/paired_greedy.py). Rerunning skips finished runs.
+# checkpoint and the base side by side on the same 200 held-out arith problems (eval_passk.py, greedy; the runs are
+# labelled LABEL@SEED, so its passk.md also pools them as LABEL@*), and the paired greedy reward and accuracy
+# differences against the base (bench/paired_greedy.py). Rerunning skips finished runs.
 #
 #   bash bench/quickstart_seeds.sh                   # es.py, writes runs/quickstart-seeds/
 #   SCRIPT=es_lowrank.py LABEL=lowrank FLAGS="--pop 16 --alpha 1e-2" OUT=runs/lowrank-seeds bash bench/quickstart_seeds.sh
