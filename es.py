@@ -56,10 +56,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common import (CURVES, EMBEDDED_MODEL, HFPolicy, Master, Run, Task, VLLMPolicy, check_gpu_memory,
-                    check_run_dir, cli, derive_seed, die, evaluate, held_interrupts, init_distributed, load_task,
-                    noise_table, plan, render_prompt, require, require_min, resolve_dtype, resolve_model, schedule,
-                    score, sync_weights)
+from common import (EMBEDDED_MODEL, HFPolicy, Master, Task, VLLMPolicy, derive_seed, die, load_task, noise_table,
+                    render_prompt, require, resolve_dtype, resolve_model, score, sync_weights)
+from harness import (CURVES, Run, check_gpu_memory, check_run_dir, cli, evaluate_greedy, held_interrupts,
+                     init_distributed, plan, require_min)
 
 
 @dataclass
@@ -227,7 +227,7 @@ def es_update(master: Master, seeds: Sequence[int], signs: np.ndarray, member_re
 
 
 ES_CURVES = (("es/js_succ_bits", "ES: JS diversity (bits)"),)
-"""es.py's panel in curves.png, beside common.CURVES."""
+"""es.py's panel in curves.png, beside harness.CURVES."""
 
 
 def main(args: Args, population: Callable[..., tuple[np.ndarray, np.ndarray, dict[str, float]]] = evaluate_population,
@@ -239,7 +239,7 @@ def main(args: Args, population: Callable[..., tuple[np.ndarray, np.ndarray, dic
     train = load_task(args.task, "train", args.data)[: args.train_size]
     test = load_task(args.task, "test", args.data)[: args.eval_prompts]
     size = min(args.prompts_per_iter, len(train))
-    iterations, per_epoch = plan(len(train), size, args.iterations, args.epochs, args.prompt_order)
+    iterations, per_epoch, batches = plan(args.seed, len(train), size, args.iterations, args.epochs, args.prompt_order)
     model = resolve_model(args.model)
     dtype = resolve_dtype(args.dtype, "cuda" if torch.cuda.is_available() else "cpu")
     if args.backend == "vllm":  # before anything is loaded: the HF model and the master live beside the engine
@@ -262,23 +262,24 @@ def main(args: Args, population: Callable[..., tuple[np.ndarray, np.ndarray, dic
                   "per iteration)", sum(p.numel() for p in policy.params.values()) * bytes_per_param)
 
     def save(folder: Path) -> None:  # a from_pretrained folder of cast(θ) (+ the fp32 θ if the dtype loses bits)
+        master.restore()  # a stop inside a rollout leaves the model holding θ + σ·ε_n: θ is what is saved
         policy.save(folder)
         master.save(folder)
 
     def evaluate_center(step: int) -> None:  # greedy, held out; the engine may still hold the last member
         if run.eval_due(step):
             sync_weights(engine, master.params)
-            run.log({"step": step, **evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template,
-                                              f"eval θ_{step}")})
+            run.log({"step": step, **evaluate_greedy(engine, args.task, test, args.max_new_tokens,
+                                                     args.chat_template, f"eval θ_{step}")})
 
-    evaluate_center(run.start)  # θ₀, or an evaluation a stop cut short
     bar = tqdm(range(run.start, iterations), initial=run.start, total=iterations, desc="es", unit="it",
                disable=rank != 0)
-    done, skipped = run.start, 0
+    done, skipped, seconds = run.start, 0, []
     try:
+        evaluate_center(run.start)  # θ₀, or an evaluation a stop cut short
         for t in bar:
             t_start = time.perf_counter()
-            batch = schedule(args.seed, args.schedule_start + t, len(train), args.prompts_per_iter, args.prompt_order)
+            batch = batches(args.schedule_start + t)
 
             # 1. member seeds from (--seed, t, n): nothing else is needed to regenerate ε_n anywhere
             seeds, signs = member_seeds(args.seed, t, args.pop, args.antithetic)
@@ -311,8 +312,8 @@ def main(args: Args, population: Callable[..., tuple[np.ndarray, np.ndarray, dic
             skipped = skipped + 1 if row["es/skipped"] else 0
             bar.set_postfix(reward=f"{row['train/reward_mean']:.3f}", d_rel=f"{row['es/d_rel']:.1e}",
                             **({"update": "skipped"} if skipped else {}))
-            if t == run.start:
-                run.say_eta(row["perf/iteration_s"], "iteration")
+            seconds.append(row["perf/iteration_s"])
+            run.say_eta(done, seconds, "iteration")
             if skipped and rank == 0:
                 hint = ("no member earned any reward — try more --max-new-tokens, a larger --sigma or an easier "
                         "--task (arith)" if row["train/reward_max"] == 0 else "try a larger --sigma")
@@ -320,11 +321,11 @@ def main(args: Args, population: Callable[..., tuple[np.ndarray, np.ndarray, dic
                            + (f"; 3 in a row: {hint}" if skipped == 3 else ""))
             evaluate_center(done)
             run.save_due(done, save)
-    except KeyboardInterrupt:
+        bar.close()
+        run.finish(save, CURVES + ES_CURVES)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM anywhere above: save θ_done (never a member), exit 130/143
         bar.close()
         run.interrupted(done, save, CURVES + ES_CURVES)
-    bar.close()
-    run.finish(save, CURVES + ES_CURVES)
     if engine is not policy:
         engine.close()  # its memory back for whatever this process runs next
     if world > 1 and torch.distributed.is_initialized():  # closing a vLLM engine may already have destroyed it

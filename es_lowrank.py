@@ -65,7 +65,8 @@ import numpy as np
 import torch
 
 import es
-from common import HFPolicy, Master, VLLMPolicy, Weights, cli, die, noise, require, single_process, sync_weights
+from common import HFPolicy, Master, VLLMPolicy, Weights, die, noise, require, sync_weights
+from harness import cli, single_process
 
 
 @dataclass

@@ -70,9 +70,11 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from common import (EMBEDDED_MODEL, HFPolicy, Problem, Run, Sample, Task, VLLMPolicy, cli, derive_seed, die,
-                    extract_answer, load_task, load_weights, meta_params, render_prompt, require, require_min,
-                    relative_drift, resolve_model, score, single_process, sync_weights)
+from common import (EMBEDDED_MODEL, HFPolicy, Problem, Sample, Task, VLLMPolicy, derive_seed, die, extract_answer,
+                    load_task, load_weights, meta_params, render_prompt, require, relative_drift, resolve_model, score,
+                    sync_weights)
+import common
+from harness import cli, require_min, single_process, write_args
 
 
 @dataclass
@@ -120,6 +122,8 @@ class Args:
     """label from --models that every other row is compared with (paired bootstrap); default: the first model"""
     resamples: int = 2000
     """bootstrap resamples B of the problems for every 95% interval (≥ 1)"""
+    verify_timeout: float = 10.0
+    """seconds one math-verify verdict may take (> 0; gsm8k, math500); slower ones count as no answer, and are counted"""
 
 
 def check_args(args: Args) -> None:
@@ -127,6 +131,7 @@ def check_args(args: Args) -> None:
     require_min(args, 1, "batch_size", "n", "max_new_tokens", "resamples", "num_problems")
     require(args.temperature > 0, f"--temperature must be > 0 (pass@k needs samples), got {args.temperature}")
     require(0 < args.top_p <= 1 and 0 < args.vllm_memory <= 1, "--top-p and --vllm-memory must be in (0, 1]")
+    require(args.verify_timeout > 0, f"--verify-timeout must be > 0 seconds, got {args.verify_timeout}")
     require(all(tau >= 0 for tau in args.reset_tau), f"--reset-tau must be ≥ 0, got {args.reset_tau}")
     require(args.reference in (None, *parse_models(args.models)), f"--reference '{args.reference}' is not a label")
     require(not Path(args.out_dir).is_file(), f"--out-dir '{args.out_dir}' is a file")
@@ -305,6 +310,7 @@ def evaluate(policy: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem],
     """pass@k, maj@k, greedy accuracy, mean reward and response length of the loaded weights on one problem set
     (`name`, scored by `task`), + per-problem counts; and a row per problem with every completion for samples.jsonl."""
     prompts = [render_prompt(task, p, policy.tokenizer, args.chat_template) for p in problems]
+    timeouts = common.verify_timeouts
     first = [policy.generate(prompts[i:i + args.batch_size], max_new_tokens=args.max_new_tokens)
              for i in range(0, len(prompts), args.batch_size)] if greedy else []
     greedy_samples = [s for chunk in first for s in chunk]
@@ -330,7 +336,11 @@ def evaluate(policy: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem],
                "maj@k": {k: float(np.mean([maj_at_k(a, r, k) for a, r in zip(answers, correct)])) for k in ks},
                "reward": float(rewards.mean()),
                "response_tokens": float(np.mean([len(s.token_ids) for g in grouped for s in g])),
-               "num_problems": len(problems), "correct_counts": counts.astype(int).tolist()}
+               "num_problems": len(problems), "correct_counts": counts.astype(int).tolist(),
+               "verify_timeouts": common.verify_timeouts - timeouts}
+    if metrics["verify_timeouts"]:
+        tqdm.write(f"{desc}: {metrics['verify_timeouts']} math-verify verdicts ran past --verify-timeout "
+                   f"{args.verify_timeout:g} s and count as no answer")
     if greedy:  # per problem too: the paired bootstrap needs it
         metrics["greedy_correct"] = [int(r["greedy"]["correct"]) for r in rows]
         metrics["greedy"] = float(np.mean(metrics["greedy_correct"]))
@@ -403,6 +413,7 @@ def plot(report: dict, file: Path) -> None:
 def main(args: Args) -> Path:
     check_args(args)
     single_process("eval_passk.py")
+    common.VERIFY_TIMEOUT_S = args.verify_timeout
     # 1. parse the task specs, then resolve the models: fail early on a bad spec, a missing path, a tokenizer or
     # architecture mismatch
     tasks = parse_tasks(args)
@@ -412,7 +423,8 @@ def main(args: Args) -> Path:
     first = next(iter(models))
     reference = meta_params(models[first])  # its parameter names and shapes, without its weights
     problems = {name: load_task(task, args.split, data)[: args.num_problems] for name, (task, data) in tasks.items()}
-    run = Run(args.out_dir, args, resume=False).dir  # args.json
+    run = Path(args.out_dir)
+    write_args(run, args)
     report = {"task": args.task, "split": args.split, "n": args.n, "ks": k_grid(args.n), "models": models,
               "base": args.base, "results": {}, "sparsity": {}}
     # one engine for every model (deviation 4), built with the first model's weights

@@ -60,9 +60,10 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from common import (CURVES, EMBEDDED_MODEL, HFPolicy, Run, Sample, Task, VLLMPolicy, check_run_dir, cli, derive_seed,
-                    die, evaluate, held_interrupts, load_task, plan, render_prompt, require, require_min, resolve_dtype,
-                    resolve_model, schedule, score, single_process, sync_weights)
+from common import (EMBEDDED_MODEL, HFPolicy, Sample, Task, VLLMPolicy, derive_seed, die, load_task, render_prompt,
+                    require, resolve_dtype, resolve_model, score, sync_weights)
+from harness import (CURVES, Run, check_run_dir, cli, evaluate_greedy, held_interrupts, plan, require_min,
+                     single_process)
 
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 
@@ -368,7 +369,7 @@ def memory_line(model: PreTrainedModel, args: Args, prompt_len: int, device: str
 
 
 GRPO_CURVES = (("grpo/entropy", "GRPO: token entropy (nats)"),)
-"""grpo.py's panel in curves.png, beside common.CURVES."""
+"""grpo.py's panel in curves.png, beside harness.CURVES."""
 
 
 def main(args: Args) -> Path:
@@ -377,10 +378,10 @@ def main(args: Args) -> Path:
     train = load_task(args.task, "train", args.data)[: args.train_size]
     test = load_task(args.task, "test", args.data)[: args.eval_prompts]
     size = min(args.prompts_per_step, len(train))
-    steps, per_epoch = plan(len(train), size, args.steps, args.epochs, args.prompt_order)
+    steps, per_epoch, batches = plan(args.seed, len(train), size, args.steps, args.epochs, args.prompt_order)
     model = resolve_model(args.model)
     run = Run(args.out_dir, args, args.resume is not None, steps, per_epoch, args.eval_every, args.save_every,
-              args.keep_last, args.tracker)
+              args.keep_last, args.tracker, flag="--steps")
 
     # weights in fp32 (deviation 3); a resumed run starts from the checkpoint's weights and AdamW state
     policy = HFPolicy(str(run.checkpoint or model), "float32", batch_size=args.batch_size)
@@ -409,18 +410,17 @@ def main(args: Args) -> Path:
 
     def evaluate_policy(step: int) -> None:  # greedy, held out, on the rollout engine (synced after every update)
         if run.eval_due(step):
-            run.log({"step": step, **evaluate(engine, args.task, test, args.max_new_tokens, args.chat_template,
-                                              f"eval θ_{step}")})
+            run.log({"step": step, **evaluate_greedy(engine, args.task, test, args.max_new_tokens,
+                                                     args.chat_template, f"eval θ_{step}")})
 
-    evaluate_policy(run.start)  # θ₀, or an evaluation a stop cut short
     bar = tqdm(range(run.start, steps), initial=run.start, total=steps, desc="grpo", unit="step")
-    done = run.start
+    done, seconds = run.start, []
     try:
+        evaluate_policy(run.start)  # θ₀, or an evaluation a stop cut short
         for step in bar:
             t_start = time.perf_counter()
             # 1. this step's prompts (derived from --seed and the step)
-            batch = schedule(args.seed, args.schedule_start + step, len(train), args.prompts_per_step,
-                             args.prompt_order)
+            batch = batches(args.schedule_start + step)
 
             # 2. rollouts: G completions per prompt from the current policy (π_old), prompt-major
             samples = engine.generate([prompts[i] for i in batch], n=args.group_size, max_new_tokens=args.max_new_tokens,
@@ -465,18 +465,18 @@ def main(args: Args) -> Path:
             # 5. report, evaluate, checkpoint
             bar.set_postfix(reward=f"{row['train/reward_mean']:.3f}", len=f"{row['train/response_len']:.0f}",
                             **({"update": "none"} if row["grpo/zero_std_frac"] == 1 else {}))
-            if step == run.start:
-                run.say_eta(row["perf/step_s"], "step")
+            seconds.append(row["perf/step_s"])
+            run.say_eta(done, seconds, "step")
             if row["grpo/zero_std_frac"] == 1:
                 tqdm.write(f"step {done}: every group scored alike (reward {row['train/reward_mean']:.3f}): a zero "
                            "gradient" + (", θ moved by AdamW's momentum only" if step > 0 else ""))
             evaluate_policy(done)
             run.save_due(done, save)
-    except KeyboardInterrupt:
+        bar.close()
+        run.finish(save, CURVES + GRPO_CURVES)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM anywhere above: save θ_done, exit 130/143
         bar.close()
         run.interrupted(done, save, CURVES + GRPO_CURVES)
-    bar.close()
-    run.finish(save, CURVES + GRPO_CURVES)
     if engine is not policy:
         engine.close()  # its memory back for whatever this process runs next
     return run.dir

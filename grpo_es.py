@@ -45,7 +45,8 @@ from typing import Any, Callable, Literal, Optional
 
 import es
 import grpo
-from common import EMBEDDED_MODEL, Run, Task, cli, die, require
+from common import EMBEDDED_MODEL, Task, die, require, write_atomic
+from harness import check_run_dir, cli, write_args
 
 
 @dataclass
@@ -112,8 +113,7 @@ def main(args: Args) -> Path:
             if getattr(stage, f) != getattr(default, f):
                 die(f"--{algo}.{f.replace('_', '-')} is set by grpo_es.py; use the top-level flag or --total-updates")
     run, budgets = Path(args.out_dir), [args.total_updates // 2, args.total_updates - args.total_updates // 2]
-    require(not run.is_file(), f"--out-dir '{run}' is a file")
-    require(not (run / "metrics.jsonl").exists(), f"'{run}' already holds a run: choose another --out-dir")
+    check_run_dir(args.out_dir, None, resumable=False)
     # 1. configure both stages: their own flags, the shared ones and their share of the budget; check them all now
     stages = [(algo, replace(getattr(args, algo), **{f: getattr(args, f) for f in SHARED}, model=args.model,
                              out_dir=str(run / f"stage{k}-{algo}"), resume=None, **{STAGES[algo][1]: updates},
@@ -121,8 +121,8 @@ def main(args: Args) -> Path:
               for k, (algo, updates) in enumerate(zip(args.order.split("-"), budgets), start=1)]
     for algo, stage in stages:
         (es.check_args if algo == "es" else grpo.check_args)(stage)
-    log = Run(args.out_dir, args, resume=False)
-    model, offset = args.model, 0
+    write_args(run, args)
+    model, offset, rows = args.model, 0, []
     for k, (algo, stage) in enumerate(stages, start=1):
         # 2. run it, in a process of its own, from the previous stage's final checkpoint
         run_stage(STAGES[algo][0], replace(stage, model=model))
@@ -131,8 +131,9 @@ def main(args: Args) -> Path:
         # 3. merge its metrics, stage-tagged, on one step axis
         for line in (Path(stage.out_dir) / "metrics.jsonl").read_text().splitlines():
             row = json.loads(line)
-            log.log({**row, "step": offset + row["step"], "stage": k, "algo": algo, "stage_step": row["step"]})
+            rows.append({**row, "step": offset + row["step"], "stage": k, "algo": algo, "stage_step": row["step"]})
         offset += budgets[k - 1]
+        write_atomic(run / "metrics.jsonl", lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in rows)))
 
     # 4. the final weights as a plain from_pretrained folder
     shutil.copytree(model, run / "final", ignore=shutil.ignore_patterns("optimizer.pt", "state.json"))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import harness  # noqa: E402
 from util import emit, machine_line, table  # noqa: E402  (bench/, beside this file)
 
 
@@ -76,4 +77,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(common.cli(Args))
+    main(harness.cli(Args))

@@ -12,7 +12,7 @@ tables it finished), ending with the docs/gpu.md rows each measurement confirms.
   3. exactness      ES in bf16 on the device: 20 perturb/restore cycles restore bit-exactly; a master on the CPU gives
                     the same bits as one on the device after perturb + update
   4. ES, 1.5B       random-init Qwen2.5-1.5B in bf16, what the ES process holds (staged θ, fp32 master, θ₀; then the
-                    master on the CPU): CUDA's peak after load / perturb / restore / update vs common.es_memory's
+                    master on the CPU): CUDA's peak after load / perturb / restore / update vs harness.es_memory's
                     items, then perturb and update again under a cap of exactly the estimate (the preflight's budget);
                     seconds of CUDA noise, perturb, restore, an N = 32 update vs a rollout (64 prompts × 256 tokens)
   5. GRPO log-probs peak memory of grpo.token_logprobs on bf16 logits (8, 2048, 151936) vs the old full (B, C, V)
@@ -74,6 +74,7 @@ import transformers  # noqa: E402
 from util import RANDOM_CONFIGS, ROOT, fixed_length, resolve_bench_model, sync, table  # noqa: E402
 
 import common  # noqa: E402  (util puts the repo root on sys.path)
+import harness  # noqa: E402
 
 TOTAL_S = 440
 BUDGET_S = {1: 20, 2: 45, 3: 45, 4: 100, 5: 45, 6: 100, 7: 200, 8: 120, 9: 150, 10: 150}
@@ -272,7 +273,7 @@ def check_machine(ctx: Context) -> list[str]:
         torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # the context and cuBLAS
         sync(ctx.device)
         lines += ["", f"CUDA context after a first matmul: {gib(cuda_context())} GiB outside PyTorch's allocator "
-                  f"(common.CUDA_CONTEXT counts {gib(common.CUDA_CONTEXT)}; measured again after the last check)"]
+                  f"(harness.CUDA_CONTEXT counts {gib(harness.CUDA_CONTEXT)}; measured again after the last check)"]
     return lines
 
 
@@ -335,12 +336,12 @@ def check_exactness(ctx: Context) -> list[str]:
 
 
 def es_expected(estimate: dict[str, int]) -> dict[str, int]:
-    """The bytes CUDA should count at each step, from common.es_memory's items: the resident staged θ, master, θ₀ and
+    """The bytes CUDA should count at each step, from harness.es_memory's items: the resident staged θ, master, θ₀ and
     fp32 scratch, plus perturb's copy of a master kept on the CPU; `cap` is what the preflight leaves PyTorch's
     allocator (the total less the context)."""
     resident = estimate["staged θ"] + estimate["fp32 master"] + estimate["θ₀"] + estimate["fp32 scratch"]
     return {"load": resident, "perturb": resident + estimate["master copy transient"], "restore": resident,
-            "update": resident, "cap": estimate["total"] - common.CUDA_CONTEXT}
+            "update": resident, "cap": estimate["total"] - harness.CUDA_CONTEXT}
 
 
 def es_memory_table(ctx: Context, es: ES, estimate: dict[str, int], held: Optional[int], base: int,
@@ -422,10 +423,10 @@ def check_es(ctx: Context, model: str) -> list[str]:
     n = sum(p.numel() for p in common.meta_params(path).values())
     ctx.lines += [f"random {model} ({n / 1e6:,.1f}M parameters), bf16 on {ctx.device}", ""]
     for master_device in (None, "cpu"):
-        estimate = common.es_memory(path, torch.bfloat16, master_device)
+        estimate = harness.es_memory(path, torch.bfloat16, master_device)
         where = "the CPU (--master-device cpu)" if master_device == "cpu" else f"the model's device ({ctx.device})"
         ctx.lines += [f"### master on {where}", "", f"es_memory: {gib(estimate['total'])} GiB in all, with "
-                      f"{gib(common.CUDA_CONTEXT)} of CUDA context, fp32 scratch {gib(estimate['fp32 scratch'])}, and "
+                      f"{gib(harness.CUDA_CONTEXT)} of CUDA context, fp32 scratch {gib(estimate['fp32 scratch'])}, and "
                       f"the transients of perturb {gib(estimate['master copy transient'])} and vLLM reload "
                       f"{gib(estimate['vLLM reload transient'])} (no vLLM here)", ""]
         free_memory()
@@ -622,10 +623,10 @@ def check_trl(ctx: Context) -> list[str]:
     return lines
 
 
-HASH_REWARD = """import sys, zlib; sys.path.insert(0, {root!r}); import {m}, common
+HASH_REWARD = """import sys, zlib; sys.path.insert(0, {root!r}); import {m}, common, harness
 {m}.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)  # random text earns reward
 if __name__ == "__main__":
-    {m}.main(common.cli({m}.Args))
+    {m}.main(harness.cli({m}.Args))
 """
 
 
@@ -645,8 +646,8 @@ def same_tensors(a: Path, b: Path) -> str:
 
 
 def values(run: Path, key: str) -> list[float]:
-    """A metric's logged values, step by step (common.load_curves)."""
-    return [value for _, value in common.load_curves(run, [key])[key]]
+    """A metric's logged values, step by step (harness.load_curves)."""
+    return [value for _, value in harness.load_curves(run, [key])[key]]
 
 
 def check_scripts(ctx: Context) -> list[str]:
@@ -807,7 +808,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             shutil.rmtree(models, ignore_errors=True)
     if cuda:
         ctx.confirm("es-memory", "CUDA context after every check (total − free − reserved)",
-                    f"{gib(cuda_context())} GiB (common.CUDA_CONTEXT counts {gib(common.CUDA_CONTEXT)})")
+                    f"{gib(cuda_context())} GiB (harness.CUDA_CONTEXT counts {gib(harness.CUDA_CONTEXT)})")
     lines += ["## Summary", "", table(["check", "title", "status", "seconds"], summary), "",
               f"total {time.monotonic() - START:.0f} s (imports included)", ""] + confirmations(ctx)
     report.write_text("\n".join(lines) + "\n")

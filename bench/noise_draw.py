@@ -21,6 +21,7 @@ import torch
 from util import machine_line, resolve_bench_model, setup_threads, table
 
 import common  # noqa: E402  (util puts the repo root on sys.path)
+import harness  # noqa: E402
 
 
 @dataclass
@@ -64,4 +65,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(common.cli(Args))
+    main(harness.cli(Args))

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import cli, derive_seed, require  # noqa: E402
+from common import derive_seed, require  # noqa: E402
+from harness import cli  # noqa: E402
 from eval_passk import Args as EvalArgs, bootstrap_draws, paired  # noqa: E402
 
 

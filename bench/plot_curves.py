@@ -1,6 +1,6 @@
 """Training curves of es.py / grpo.py / grpo_es.py runs side by side, from their metrics.jsonl.
 
-One PNG (common.plot_curves: the same panels every training run writes to its curves.png) with a colour per run:
+One PNG (harness.plot_curves: the same panels every training run writes to its curves.png) with a colour per run:
 train reward (ES: mean over the population's members; GRPO: mean over sampled completions), greedy held-out reward
 and accuracy (the runs' --eval-every rows), and ES's JS_succ diversity ([ES-LLM] §3.1, bits). Prints a markdown
 table of the first → last value of each.
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import CURVES, cli, plot_curves, require  # noqa: E402
+from common import require  # noqa: E402
+from harness import CURVES, cli, plot_curves  # noqa: E402
 from es import ES_CURVES  # noqa: E402
 from grpo import GRPO_CURVES  # noqa: E402
 

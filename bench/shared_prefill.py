@@ -21,6 +21,7 @@ from transformers import GenerationConfig
 from util import machine_line, setup_threads, table
 
 import common  # noqa: E402  (util puts the repo root on sys.path)
+import harness  # noqa: E402
 
 
 @dataclass
@@ -83,4 +84,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(common.cli(Args))
+    main(harness.cli(Args))

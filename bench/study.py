@@ -57,7 +57,8 @@ from typing import Literal, Optional
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import cli, derive_seed, die, load_curves, require  # noqa: E402
+from common import derive_seed, die, require  # noqa: E402
+from harness import cli, load_curves  # noqa: E402
 from eval_passk import bootstrap_draws, markdown, paired, per_problem, plot, uncertainty  # noqa: E402
 
 import plot_curves  # noqa: E402  (bench/, beside this file)

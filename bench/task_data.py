@@ -9,7 +9,7 @@ experiments (README "Results (CPU, SmolLM2-135M)") train on easier variants that
   sums        the `arith` task's "What is a ± b?" (common.make_arith) with other number ranges (--ops "*": "What is
               a * b?"); `--task arith`.
 
-Train and test are disjoint (one seeded pool, split at the end):
+Train and test are disjoint (one seeded pool, split at the end; sums keep a + b and b + a on one side):
 
     python bench/task_data.py --kind arith --steps 1 --max-number 20 --out data/arith1
     python es.py --task gsm8k --data data/arith1 --chat-template ...
@@ -27,7 +27,7 @@ from typing import Callable, Literal
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import die, make_arith as make_sums, make_countdown  # noqa: E402
+from common import Problem, die, make_arith, make_countdown, require  # noqa: E402
 
 
 @dataclass
@@ -74,7 +74,26 @@ TWO_STEP: tuple[tuple[str, Callable[[int, int, int], int]], ...] = (
 )
 
 
-def make_arith(count: int, seed: int, max_number: int, steps: int) -> list[dict]:
+def split_twins(problems: list[Problem], test: int) -> tuple[list[Problem], list[Problem]]:
+    """(train, test) with `test` problems taken from the end of the list, and a + b, b + a (likewise a * b, b * a) on
+    the same side: a model must not be tested on the commuted twin of a problem it trained on."""
+    def key(p: Problem) -> str:
+        a, op, b = p.question.removeprefix("What is ").removesuffix("?").split()
+        return f"{min(a, b, key=int)} {op} {max(a, b, key=int)}" if op in "+*" else p.question
+
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(problems):
+        groups.setdefault(key(p), []).append(i)
+    held: set[int] = set()
+    for i in reversed(range(len(problems))):  # from the end: whole groups that still fit
+        group = groups[key(problems[i])]
+        if i not in held and len(held) + len(group) <= test:
+            held.update(group)
+    require(len(held) == test, f"split_twins: cannot hold out exactly {test} problems with twins kept together")
+    return ([p for i, p in enumerate(problems) if i not in held], [p for i, p in enumerate(problems) if i in held])
+
+
+def make_word_problems(count: int, seed: int, max_number: int, steps: int) -> list[dict]:
     """`count` distinct word problems whose answer is a positive integer."""
     rng, seen, rows, templates = random.Random(seed), set(), [], ONE_STEP if steps == 1 else TWO_STEP
     for _ in range(1000 * count):
@@ -103,11 +122,11 @@ def main(args: Args) -> None:
     if args.kind == "countdown":
         rows = [{"numbers": list(p.numbers), "target": p.target} for p in make_countdown(
             total, seed=args.seed, sizes=args.sizes, max_number=args.max_number, max_target=args.max_target)]
-    elif args.kind == "sums":
-        rows = [{"question": p.question, "answer": f"#### {p.answer}"}
-                for p in make_sums(total, args.seed, max_number=args.max_number, ops=args.ops)]
+    elif args.kind == "sums":  # commuted twins (a + b, b + a) on one side of the split
+        rows = [{"question": p.question, "answer": f"#### {p.answer}"} for part in split_twins(
+            make_arith(total, args.seed, max_number=args.max_number, ops=args.ops), args.test) for p in part]
     else:
-        rows = make_arith(total, args.seed, args.max_number, args.steps)
+        rows = make_word_problems(total, args.seed, args.max_number, args.steps)
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     for split, part in (("train", rows[:args.train]), ("test", rows[args.train:])):

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import common  # noqa: E402
+import harness  # noqa: E402
 import es_iteration  # noqa: E402
 import eval_passk  # noqa: E402
 import paired_greedy  # noqa: E402
@@ -108,7 +109,7 @@ def test_plot_curves_reads_every_script(tmp_path: Path, capsys: pytest.CaptureFi
     for name, rows in layouts.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert common.load_curves(tmp_path / "mix", ["train/reward_mean"])["train/reward_mean"] == [(1, 0.1), (3, 0.9)]
+    assert harness.load_curves(tmp_path / "mix", ["train/reward_mean"])["train/reward_mean"] == [(1, 0.1), (3, 0.9)]
     plot_curves.main(plot_curves.Args(runs=tuple(f"{n}={tmp_path / n}" for n in layouts), out=str(tmp_path / "c.png")))
     table = capsys.readouterr().out
     assert "| es | 0.200 → 0.400 | – | 0.100 → 0.250 | 0.300 → 0.100 | – |" in table
@@ -191,3 +192,30 @@ def test_freed_memory_bench_compares_the_two_mallocs_on_the_same_tokens(tiny_mod
                              "--max-new-tokens", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| default |" in result.stdout and "| kept |" in result.stdout and "same tokens: True" in result.stdout
+
+
+def test_sums_keep_commuted_twins_on_one_side_of_the_split(tmp_path: Path) -> None:
+    """a + b in test and b + a in train (30 of the findings study's 300 test sums) let a model be tested on what it
+    trained on; task_data.py --kind sums keeps every twin pair on one side."""
+    import task_data
+
+    problems = common.make_arith(300, 1, max_number=15, ops="+-")
+    train, test = task_data.split_twins(problems, 100)
+    assert len(test) == 100 and sorted(map(str, train + test)) == sorted(map(str, problems))
+
+    def twin(p: Problem) -> str:
+        a, op, b = p.question[8:-1].split()
+        return f"What is {b} {op} {a}?" if op == "+" else p.question
+
+    held = {p.question for p in test}
+    assert not [p for p in train if twin(p) in held]
+    assert sum(twin(p) in {q.question for q in problems} and twin(p) != p.question for p in test) > 0  # twins exist
+    pairs = [common.Problem("What is 1 + 2?", "3"), common.Problem("What is 3 - 1?", "2"), common.Problem("What is 2 + 1?", "3")]
+    assert [p.question for p in task_data.split_twins(pairs, 2)[1]] == ["What is 1 + 2?", "What is 2 + 1?"]
+    with pytest.raises(SystemExit, match="cannot hold out exactly 1"):
+        task_data.split_twins(pairs[::2], 1)
+    out = tmp_path / "sums"
+    task_data.main(task_data.Args(out=str(out), kind="sums", max_number=15, train=300, test=100, seed=1))
+    train_q, test_q = ({json.loads(line)["question"] for line in (out / f"{s}.jsonl").read_text().splitlines()}
+                       for s in ("train", "test"))
+    assert len(test_q) == 100 and not {twin(common.Problem(q, "")) for q in train_q} & test_q

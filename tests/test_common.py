@@ -23,7 +23,8 @@ import torch
 
 import common
 from common import (HFPolicy, Master, Problem, derive_seed, extract_answer, load_task, make_countdown, noise,
-                    render_prompt, schedule, score)
+                    render_prompt, score)
+from harness import plan
 
 DATA = Path(__file__).parent / "data"
 
@@ -515,9 +516,10 @@ def test_a_stuck_or_dead_verifier_is_gone_and_replaced(monkeypatch: pytest.Monke
     monkeypatch.setattr(common, "VERIFY_TIMEOUT_S", 2.0)
     problem = Problem("q", "18")
     assert score("math500", problem, "\\boxed{18}") == (1.0, True)  # a worker is running
-    before = children().keys()
-    # stuck in sympy: killed, and no verdict (None, not False), so the fallback's `#### 18` decides
+    before, timeouts = children().keys(), common.verify_timeouts
+    # stuck in sympy: killed, and no verdict (None, not False), so the fallback's `#### 18` decides; counted
     assert score("gsm8k", problem, "#### 18 so \\boxed{9^{9^{9^{9}}}}") == (0.1, True)
+    assert common.verify_timeouts == timeouts + 1
     after = children().keys()
     assert len(before - after) == 1 and not after - before  # the stuck worker is gone, not even as a zombie
     assert score("math500", problem, "\\boxed{18}") == (1.0, True)  # a fresh worker
@@ -548,6 +550,13 @@ def test_gsm8k_prompt_is_the_artifacts_chat_prompt(tiny_model: str) -> None:
                     "<|im_end|>\n<|im_start|>user\nHow many?<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_make_arith_refuses_an_impossible_count() -> None:
+    """make_arith(226, max_number=15, ops="*") looped forever (15² = 225 distinct products)."""
+    assert len({p.question for p in common.make_arith(225, 1, max_number=15, ops="*")}) == 225
+    with pytest.raises(SystemExit, match="226 problems asked for, but there are only 225 distinct"):
+        common.make_arith(226, 1, max_number=15, ops="*")
+
+
 def test_arith_task_is_generated_disjoint_and_scored_like_gsm8k() -> None:
     train, test = load_task("arith", "train"), load_task("arith", "test")
     assert (len(train), len(test)) == (400, 200) and not {p.question for p in train} & {p.question for p in test}
@@ -569,12 +578,12 @@ def test_arith_task_is_generated_disjoint_and_scored_like_gsm8k() -> None:
 def test_schedule_epochs_are_permutations_and_random_is_per_update() -> None:
     """epoch order: each epoch's batches (contiguous, the last shorter) cover every problem exactly once, a fresh
     shuffle per epoch; random order: independent draws without replacement."""
-    epoch0 = [schedule(0, t, 10, 4, "epoch") for t in range(3)]
+    epoch0 = [plan(0, 10, 4, None, 1, "epoch")[2](t) for t in range(3)]
     assert [len(b) for b in epoch0] == [4, 4, 2] and sorted(np.concatenate(epoch0).tolist()) == list(range(10))
-    epoch1 = np.concatenate([schedule(0, t, 10, 4, "epoch") for t in range(3, 6)])
+    epoch1 = np.concatenate([plan(0, 10, 4, None, 1, "epoch")[2](t) for t in range(3, 6)])
     assert sorted(epoch1.tolist()) == list(range(10)) and epoch1.tolist() != np.concatenate(epoch0).tolist()
-    assert schedule(1, 0, 10, 4, "epoch").tolist() != epoch0[0].tolist()
-    draws = [schedule(0, t, 10, 4, "random") for t in range(3)]
+    assert plan(1, 10, 4, None, 1, "epoch")[2](0).tolist() != epoch0[0].tolist()
+    draws = [plan(0, 10, 4, None, 1, "random")[2](t) for t in range(3)]
     assert all(len(set(d.tolist())) == 4 for d in draws) and draws[0].tolist() != draws[1].tolist()
 
 

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 import common
+import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--pop", "4", "--prompts-per-iter", "3", "--max-new-tokens", "8", "--eval-every", "2", "--eval-prompts", "3",
@@ -74,7 +75,7 @@ def test_on_gpus_the_process_group_also_has_gloo_for_cpu_tensors(monkeypatch: py
     monkeypatch.setattr(torch.distributed, "init_process_group",
                         lambda backend, timeout: seen.update(backend=backend, timeout=timeout))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
-    assert common.init_distributed() == (1, 2)
+    assert harness.init_distributed() == (1, 2)
     # the timeout is set, and outlasts rank 0's evaluation and checkpoint of a 7B model (the default is 30 min)
     assert seen == {"device": 1, "backend": "cpu:gloo,cuda:nccl", "timeout": datetime.timedelta(hours=2)}
     monkeypatch.undo()
@@ -123,13 +124,13 @@ def test_es_memory_by_hand_for_qwen2_5_1_5b_and_7b(tmp_path: Path) -> None:
         assert n == params  # the published sizes
         context = 2**30
         for master, on_gpu in ((None, 1), ("cpu", 0)):
-            items = common.es_memory(qwen_folder(size, tmp_path), torch.bfloat16, master)
+            items = harness.es_memory(qwen_folder(size, tmp_path), torch.bfloat16, master)
             expected = {"staged θ": 2 * n, "fp32 master": 4 * n * on_gpu, "θ₀": 2 * n * on_gpu,
                         "fp32 scratch": 8 * largest, "master copy transient": 4 * largest * (1 - on_gpu),
                         "vLLM reload transient": 2 * module, "CUDA context": context}
             transient = max(4 * largest * (1 - on_gpu), 2 * module)  # the larger of the two, one at a time
             assert items == {**expected, "total": (2 + 6 * on_gpu) * n + 8 * largest + transient + context}
-    gib = lambda size, master: common.es_memory(qwen_folder(size, tmp_path), torch.bfloat16, master)["total"] / 2**30  # noqa: E731
+    gib = lambda size, master: harness.es_memory(qwen_folder(size, tmp_path), torch.bfloat16, master)["total"] / 2**30  # noqa: E731
     assert [round(gib("1.5b", None), 2), round(gib("7b", None), 2), round(gib("7b", "cpu"), 2)] == [14.68, 62.82, 21.28]
 
 
@@ -145,7 +146,7 @@ def test_vllm_reloads_one_fused_module_at_a_time(shape: dict, fused: str, tmp_pa
     K = shape.get("num_key_value_heads", 1) * H // 4
     module = 2 * I * H if fused == "gate_up" else (H + 2 * K) * H + H + 2 * K
     assert module > max(shape["vocab_size"] * H, H * I, H * H)
-    assert common.es_memory(str(tmp_path), torch.float16, None)["vLLM reload transient"] == 2 * module
+    assert harness.es_memory(str(tmp_path), torch.float16, None)["vLLM reload transient"] == 2 * module
 
 
 def test_a_vllm_es_process_that_cannot_fit_is_refused_before_the_engine_starts(tiny_model: str, tmp_path: Path,
@@ -160,20 +161,20 @@ def test_a_vllm_es_process_that_cannot_fit_is_refused_before_the_engine_starts(t
     small, large = qwen_folder("1.5b", tmp_path), qwen_folder("7b", tmp_path)
     AutoTokenizer.from_pretrained(tiny_model).save_pretrained(small)  # a model folder without weights
     with pytest.raises(SystemExit) as stop:
-        common.check_gpu_memory(small, torch.bfloat16, 0.92, None)
+        harness.check_gpu_memory(small, torch.bfloat16, 0.92, None)
     assert str(stop.value.code) == (
         "error: ES needs 14.7 GiB of GPU memory outside the vLLM engine's share (fp32 master 5.8, staged θ 2.9, θ₀ 2.9, "
         "fp32 scratch 1.7, CUDA context 1.0, …), but --vllm-memory 0.92 leaves 6.4 GiB of 80: lower --vllm-memory, "
         "or pass --master-device cpu")
-    common.check_gpu_memory(small, torch.bfloat16, 0.81, None)  # fits: no exit
+    harness.check_gpu_memory(small, torch.bfloat16, 0.81, None)  # fits: no exit
     with pytest.raises(SystemExit, match=r"needs 14.7 GiB .* --vllm-memory 0.82 leaves 14.4 GiB"):
-        common.check_gpu_memory(small, torch.bfloat16, 0.82, None)
-    common.check_gpu_memory(large, torch.bfloat16, 0.2, None)
+        harness.check_gpu_memory(small, torch.bfloat16, 0.82, None)
+    harness.check_gpu_memory(large, torch.bfloat16, 0.2, None)
     with pytest.raises(SystemExit, match=r"needs 62.8 GiB .* --vllm-memory 0.25 leaves 60.0 GiB"):
-        common.check_gpu_memory(large, torch.bfloat16, 0.25, None)
-    common.check_gpu_memory(large, torch.bfloat16, 0.73, "cpu")  # 21.6 GiB left for 21.3
+        harness.check_gpu_memory(large, torch.bfloat16, 0.25, None)
+    harness.check_gpu_memory(large, torch.bfloat16, 0.73, "cpu")  # 21.6 GiB left for 21.3
     with pytest.raises(SystemExit, match=r"needs 21.3 GiB .*\(staged θ 14.2, fp32 scratch 4.1, master copy transient 2.0, CUDA context 1.0\)"):
-        common.check_gpu_memory(large, torch.bfloat16, 0.74, "cpu")
+        harness.check_gpu_memory(large, torch.bfloat16, 0.74, "cpu")
     import es  # es.py checks before it loads a model or writes its run directory
 
     monkeypatch.setattr(es, "HFPolicy", lambda *a, **k: pytest.fail("the model was loaded before the check"))

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common
+import harness  # noqa: E402
 import es
 from common import HFPolicy, Master, noise
 
@@ -219,7 +220,7 @@ def test_es_script_smoke(tiny_model: str, tmp_path: Path) -> None:
     # the estimate before the first iteration, the projection after it, and the picture at the end
     out = result.stdout
     assert "3 iterations of 4 members × 3 prompts × ≤ 8 new tokens (≤ 96 generated tokens per iteration)" in out
-    assert "iteration 1 took" in out and f"curves: {run / 'curves.png'}" in out
+    assert "iteration 1: " in out and "s each so far; the remaining 2 take about" in out and f"curves: {run / 'curves.png'}" in out
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a second run into the same directory is refused instead of mixing two runs' logs
     again = run_script("es.py", "--model", tiny_model, "--out-dir", str(run), check=False)
@@ -235,10 +236,10 @@ def test_resume_takes_every_flag_passed_even_when_it_is_the_default(tmp_path: Pa
     saved = es.Args(eval_every=0, pop=8, sigma=0.02, out_dir=str(run))
     (run / "args.json").write_text(json.dumps({"args": {**saved.__dict__, "dropped_field": 1}}))
     monkeypatch.setattr(sys, "argv", ["es.py", "--resume", str(run), "--eval-every", "25", "--pop", "32"])
-    args = common.cli(es.Args)
+    args = harness.cli(es.Args)
     assert (args.eval_every, args.pop, args.sigma, args.resume, args.out_dir) == (25, 32, 0.02, str(run), str(run))
     monkeypatch.setattr(sys, "argv", ["es.py", "--resume", str(run)])
-    assert common.cli(es.Args) == replace(saved, resume=str(run))
+    assert harness.cli(es.Args) == replace(saved, resume=str(run))
 
 
 BAD_FLAGS = [(["--pop", "0"], "--pop must be ≥ 2"), (["--pop", "-3"], "--pop must be ≥ 2"),
@@ -258,7 +259,7 @@ def test_bad_flags_stop_before_anything_is_loaded_or_written(flags: list[str], m
     monkeypatch.setattr(es, "load_task", lambda *a, **k: pytest.fail("data was read"))
     monkeypatch.setattr(sys, "argv", ["es.py", *flags, "--out-dir", str(tmp_path / "run")])
     with pytest.raises(SystemExit) as stop:
-        es.main(common.cli(es.Args))
+        es.main(harness.cli(es.Args))
     assert str(stop.value.code).startswith(f"error: {message}") and "\n" not in str(stop.value.code)
     assert not (tmp_path / "run").exists()
 
@@ -339,8 +340,13 @@ def test_the_prompt_schedule_starts_at_schedule_start(script: str, tiny_model: s
     import grpo
 
     module = {"es": es, "grpo": grpo}[script]
-    asked, schedule = [], module.schedule
-    monkeypatch.setattr(module, "schedule", lambda seed, t, *a: asked.append(t) or schedule(seed, t, *a))
+    asked, plan = [], module.plan
+
+    def plan_asked(*args: object) -> tuple:
+        total, per_epoch, batch = plan(*args)
+        return total, per_epoch, lambda t: asked.append(t) or batch(t)
+
+    monkeypatch.setattr(module, "plan", plan_asked)
     flags = dict(pop=2, prompts_per_iter=2) if script == "es" else dict(group_size=2, prompts_per_step=2)
     length = {"iterations": 2} if script == "es" else {"steps": 2}
     module.main(module.Args(model=tiny_model, max_new_tokens=2, eval_every=0, schedule_start=5,
@@ -356,9 +362,9 @@ def test_a_fork_that_changes_one_stage_runs_the_whole_loop(tiny_model: str, tmp_
     assert source.count("z = zscore(member_rewards)") == 1
     ranks = "z = member_rewards.argsort().argsort() / (len(member_rewards) - 1) - 0.5  # centered ranks in [-½, ½]"
     (tmp_path / "es_ranks.py").write_text(source.replace("z = zscore(member_rewards)", ranks))
-    runner = ("import sys, zlib; sys.path[:0] = [{tmp!r}, {root!r}]; import {m}; import common\n"
+    runner = ("import sys, zlib; sys.path[:0] = [{tmp!r}, {root!r}]; import {m}; import common, harness\n"
               "{m}.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)\n"
-              "if __name__ == '__main__':\n    {m}.main(common.cli({m}.Args))\n")
+              "if __name__ == '__main__':\n    {m}.main(harness.cli({m}.Args))\n")
     for module in ("es_ranks", "es"):
         (tmp_path / f"run_{module}.py").write_text(runner.format(tmp=str(tmp_path), root=str(ROOT), m=module))
         run_script(str(tmp_path / f"run_{module}.py"), "--model", tiny_model, *TINY_FLAGS, "--iterations", "2",

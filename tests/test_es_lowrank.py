@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import common
+import harness  # noqa: E402
 import es
 import es_lowrank as lr
 from common import HFPolicy, Master
@@ -174,10 +175,10 @@ def test_es_lowrank_script_smoke(tiny_model: str, tmp_path: Path) -> None:
     targets moved and the embedding and norms did not. The reward is a hash of the text (the tiny model earns no
     task reward: every update would be skipped), patched in by a runner that then runs the script's own main."""
     run, runner = tmp_path / "run", tmp_path / "hashed_reward_es_lowrank.py"
-    runner.write_text(f"import sys, zlib\nsys.path.insert(0, {str(ROOT)!r})\nimport common, es, es_lowrank\n"
+    runner.write_text(f"import sys, zlib\nsys.path.insert(0, {str(ROOT)!r})\nimport common, es, es_lowrank, harness\n"
                       "es.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)\n"
                       "if __name__ == \"__main__\":  # the spawned math-verify worker imports this file\n"
-                      "    es_lowrank.main(common.cli(es_lowrank.Args))\n")
+                      "    es_lowrank.main(harness.cli(es_lowrank.Args))\n")
     result = subprocess.run([sys.executable, str(runner), "--model", tiny_model, "--pop", "4", "--antithetic",
                              "--noise-rank", "2", "--prompts-per-iter", "3", "--max-new-tokens", "8", "--eval-prompts",
                              "3", "--sigma", "0.05", "--alpha", "0.05", "--iterations", "3", "--eval-every", "2",
@@ -205,7 +206,7 @@ def test_bad_flags_stop_before_anything_is_loaded(flags: list[str], message: str
     monkeypatch.setattr(es, "HFPolicy", lambda *a, **k: pytest.fail("the model was loaded"))
     monkeypatch.setattr(sys, "argv", ["es_lowrank.py", *flags, "--out-dir", str(tmp_path / "run")])
     with pytest.raises(SystemExit) as stop:
-        lr.main(common.cli(lr.Args))
+        lr.main(harness.cli(lr.Args))
     assert str(stop.value.code).startswith(f"error: {message}") and not (tmp_path / "run").exists()
 
 

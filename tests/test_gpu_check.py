@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import common  # noqa: E402
+import harness  # noqa: E402
 import gpu_check  # noqa: E402
 
 BLOCKED = ("tyro", "trl", "datasets", "vllm", "math_verify", "matplotlib", "pytest")
@@ -131,7 +132,7 @@ def test_the_es_check_expects_the_resident_items_plus_each_steps_transient() -> 
     """By hand, from made-up items: what CUDA should count after load and at each step, and the allocator's cap (the
     preflight's total less the CUDA context: resident + the largest transient)."""
     estimate = {"staged θ": 2, "fp32 master": 40, "θ₀": 300, "fp32 scratch": 5000, "master copy transient": 60000,
-                "vLLM reload transient": 700000, "CUDA context": common.CUDA_CONTEXT,
-                "total": 5342 + 700000 + common.CUDA_CONTEXT}
+                "vLLM reload transient": 700000, "CUDA context": harness.CUDA_CONTEXT,
+                "total": 5342 + 700000 + harness.CUDA_CONTEXT}
     assert gpu_check.es_expected(estimate) == {"load": 5342, "perturb": 65342, "restore": 5342, "update": 5342,
                                                "cap": 705342}

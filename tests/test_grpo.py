@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import common
+import harness  # noqa: E402
 import grpo
 from common import HFPolicy, Sample, resolve_dtype
 
@@ -511,7 +512,7 @@ def test_bad_flags_stop_before_anything_is_loaded_or_written(flags: list[str], m
     monkeypatch.setattr(grpo, "load_task", lambda *a, **k: pytest.fail("data was read"))
     monkeypatch.setattr(sys, "argv", ["grpo.py", *flags, "--out-dir", str(tmp_path / "run")])
     with pytest.raises(SystemExit) as stop:
-        grpo.main(common.cli(grpo.Args))
+        grpo.main(harness.cli(grpo.Args))
     assert str(stop.value.code).startswith(f"error: {message}") and not (tmp_path / "run").exists()
 
 
@@ -522,7 +523,7 @@ def test_resume_equals_uninterrupted(tiny_model: str, tmp_path: Path, monkeypatc
                  lr=1e-2, beta=0.05, num_iterations=2, micro_batch_size=4)
     whole = grpo.main(grpo.Args(**flags, steps=4, out_dir=str(tmp_path / "whole")))
     part = grpo.main(grpo.Args(**flags, steps=2, out_dir=str(tmp_path / "part")))
-    assert grpo.main(replace(common.saved_args(grpo.Args, str(part)), steps=4)) == part
+    assert grpo.main(replace(harness.saved_args(grpo.Args, str(part)), steps=4)) == part
 
     a = load_file(str(whole / "checkpoints" / "step_000004" / "model.safetensors"))
     b = load_file(str(part / "checkpoints" / "step_000004" / "model.safetensors"))

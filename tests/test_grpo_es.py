@@ -75,6 +75,7 @@ def test_each_stage_runs_in_its_own_process_and_the_second_continues_the_prompt_
     import es
     import grpo
     import grpo_es
+    import harness
 
     run = grpo_es.main(grpo_es.Args(model=tiny_model, out_dir=str(tmp_path / "run"), order="grpo-es", total_updates=4,
                                     max_new_tokens=4, eval_every=0, eval_prompts=2, task="arith",
@@ -84,6 +85,6 @@ def test_each_stage_runs_in_its_own_process_and_the_second_continues_the_prompt_
     assert len({info[1]["pid"], info[2]["pid"], os.getpid()}) == 3
     assert (info[1]["args"]["schedule_start"], info[2]["args"]["schedule_start"]) == (0, 2)
     n = len(common.load_task("arith", "train"))
-    seen = [common.schedule(0, t, n, 3, "epoch").tolist() for t in range(2)]  # stage 1's two batches
-    after = [common.schedule(0, 2 + t, n, 3, "epoch").tolist() for t in range(2)]  # stage 2's
+    seen = [harness.plan(0, n, 3, None, 1, "epoch")[2](t).tolist() for t in range(2)]  # stage 1's two batches
+    after = [harness.plan(0, n, 3, None, 1, "epoch")[2](2 + t).tolist() for t in range(2)]  # stage 2's
     assert not set(sum(seen, [])) & set(sum(after, []))  # one epoch's shuffle: no prompt seen twice

