@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import common
+import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -76,7 +77,8 @@ ALL = [(doc.name, command) for doc in DOCS for command in shell_commands(doc.rea
 
 def test_the_file_table_counts_the_lines_of_today() -> None:
     counts = dict(re.findall(r"^\| \[`([\w.]+)`\]\(\1\) \| (\d+) \|", (ROOT / "README.md").read_text(), re.M))
-    assert set(counts) == {"es.py", "es_lowrank.py", "grpo.py", "grpo_es.py", "eval_passk.py", "common.py"}
+    assert set(counts) == {"es.py", "es_lowrank.py", "grpo.py", "grpo_es.py", "eval_passk.py", "common.py",
+                           "harness.py"}
     assert {f: int(n) for f, n in counts.items()} == {f: len((ROOT / f).read_text().splitlines()) for f in counts}
 
 
@@ -89,7 +91,7 @@ def parse_and_check(script: str, argv: list[str], monkeypatch: pytest.MonkeyPatc
     """Flags, choices and types by the script's own parser (--resume applied), then its range checks: no model."""
     module = load_script(script)
     monkeypatch.setattr(sys, "argv", [script, *argv])
-    args = common.cli(module.Args)
+    args = harness.cli(module.Args)
     if hasattr(module, "check_args"):
         module.check_args(args)
 
@@ -130,6 +132,29 @@ TINY = {"es.py": ["--iterations", "2", "--pop", "2", "--prompts-per-iter", "2"],
         "grpo.py": ["--steps", "2", "--group-size", "2", "--prompts-per-step", "2"],
         "grpo_es.py": ["--total-updates", "2", "--es.pop", "2", "--es.prompts-per-iter", "2", "--grpo.group-size", "2",
                        "--grpo.prompts-per-step", "2"]}
+
+
+def test_the_quickstart_installs_the_cpu_torch_before_the_requirements() -> None:
+    """Copy-paste order is install order: without a GPU, the CPU build of requirements.txt's torch must be installed
+    before requirements.txt, or pip fetches PyPI's CUDA build (several GB) first."""
+    pin = re.search(r"^torch==(\S+)", (ROOT / "requirements.txt").read_text(), re.M).group(1)
+    cpu_torch = f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu"
+    commands = shell_commands(README.split("## Files")[0])
+    requirements = [i for i, c in enumerate(commands) if "requirements.txt" in without_env(c)]
+    assert cpu_torch in commands and requirements, commands
+    assert commands.index(cpu_torch) < requirements[0]
+
+
+def test_the_quickstart_names_every_panel_of_its_picture() -> None:
+    """es.py's curves.png has a panel per harness.CURVES + es.ES_CURVES entry; the text under the Quickstart's
+    picture, before its table, says what each one shows (by the panel's title, without its unit)."""
+    es = load_script("es.py")
+    names = [re.sub(r"^\w+: |\s*\(.*\)$", "", title) for _, title in (*harness.CURVES, *es.ES_CURVES)]
+    assert names == ["train reward", "held-out reward", "held-out accuracy", "JS diversity"]
+    picture = re.search(r"^!\[[^]]*\]\((docs/[\w.-]+\.png)\)$", README.split("## Files")[0], re.M)
+    assert picture and (ROOT / picture.group(1)).is_file()
+    under = " ".join(README[picture.end():].split("\n|", 1)[0].split()).lower()
+    assert [name for name in names if name.lower() not in under] == []
 
 
 def test_the_quickstart_trains_with_es() -> None:
