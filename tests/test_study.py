@@ -78,14 +78,14 @@ def claim_rows(tmp_path: Path) -> dict[str, dict]:
 
 # ---------------------------------------------------------------------------------------------------- statistics
 def test_two_level_interval_by_hand() -> None:
-    """S = 2 seeds, P = 2 problems, d = [[1, 3], [5, 7]], three resamples forced by hand: (seed 0, problems 0 0;
-    seed 0, problems 0 0) → 1; (seed 1, 1 1; seed 1, 0 1) → (7 + 7 + 5 + 7)/4 = 6.5; (seed 0, 0 1; seed 1, 1 1)
-    → (1 + 3 + 7 + 7)/4 = 4.5. Percentiles of (1, 4.5, 6.5) by linear interpolation: 2.5 % at rank 0.05 → 1.175,
-    97.5 % at rank 1.95 → 6.4; the point estimate is the plain mean 4. A second column ×10 scales it all."""
-    d = np.array([[1.0, 3.0], [5.0, 7.0]])[:, :, None] * [1, 10]  # (S, P, M)
+    """S = 2 seeds, P = 3 problems, d = [[1, 3, 5], [7, 9, 11]], three resamples forced by hand: (seed 0, problems
+    0 0 0; seed 0, 0 0 0) → 1; (seed 1, 2 2 2; seed 1, 0 1 2) → (33 + 27)/6 = 10; (seed 0, 0 1 2; seed 1, 1 1 1)
+    → (9 + 27)/6 = 6. Percentiles of (1, 6, 10) by linear interpolation: 2.5 % at rank 0.05 → 1.25, 97.5 % at rank
+    1.95 → 9.8; the point estimate is the plain mean 6. A second column ×10 scales it all."""
+    d = np.array([[1.0, 3.0, 5.0], [7.0, 9.0, 11.0]])[:, :, None] * [1, 10]  # (S, P, M)
     picks = np.array([[0, 0], [1, 1], [0, 1]])  # (B, S): the seeds drawn
-    counts = np.array([[[2, 0], [2, 0]], [[0, 2], [1, 1]], [[1, 1], [0, 2]]])  # (B, S, P): each drawn seed's problems
-    assert stats.two_level(d, picks, counts) == pytest.approx(np.array([[4, 40], [1.175, 11.75], [6.4, 64]]))
+    counts = np.array([[[3, 0, 0], [3, 0, 0]], [[0, 0, 3], [1, 1, 1]], [[1, 1, 1], [0, 3, 0]]])  # (B, S, P)
+    assert stats.two_level(d, picks, counts) == pytest.approx(np.array([[6, 60], [1.25, 12.5], [9.8, 98]]))
     picks, counts = stats.seed_draws(3, 5, 400, seed=7)
     assert picks.shape == (400, 3) and set(np.unique(picks)) == {0, 1, 2} and (counts.sum(2) == 5).all()
     assert not (counts[:, 0] == counts[:, 1]).all(1).all()  # each drawn seed gets its own problems
@@ -151,8 +151,9 @@ def test_t_tests_and_the_minimum_detectable_effect_by_hand() -> None:
 
 def test_variance_components_and_the_sampling_variance_by_hand() -> None:
     """d_s(x) = a_s + b_x exactly (no interaction): σ²_seed = var(a), σ²_problem = var(b), σ²_seed×problem = 0. A ±e
-    checkerboard has zero seed and problem means: everything is interaction, MS_res = 4e²/((2−1)(2−1)). c(n − c)/
-    (n²(n − 1)) averages to p(1 − p)/n over Binomial(n, p) (exactly, by enumeration)."""
+    checkerboard has zero seed and problem means: everything is interaction, MS_res = 4e²/((2−1)(2−1)). Both, S = 2
+    and P = 4: MS_res = 8e²/(1·3), σ²_seed = var(a) − MS_res/4, σ²_problem = var(b) − MS_res/2. c(n − c)/(n²(n − 1))
+    averages to p(1 − p)/n over Binomial(n, p) (exactly, by enumeration)."""
     a, b = np.array([0.0, 0.1, 0.2]), np.array([0.0, 0.2, 0.4, 0.6])
     c = stats.components(a[:, None] + b[None, :], np.zeros((3, 4)))
     assert (c["seed"], c["problem"], c["seed×problem"], c["sampling"]) == pytest.approx(
@@ -161,6 +162,11 @@ def test_variance_components_and_the_sampling_variance_by_hand() -> None:
     c = stats.components(np.array([[e, -e], [-e, e]]), np.full((2, 2), 0.01))
     assert (c["seed"], c["problem"], c["seed×problem"], c["sampling"]) == pytest.approx((0, 0, 4 * e * e - 0.01, 0.01))
     assert stats.components(np.array([[e, -e], [-e, e]]), None)["seed×problem"] == pytest.approx(4 * e * e)
+    a, e = np.array([0.0, 0.4]), 0.1
+    c = stats.components(a[:, None] + b[None, :] + e * np.array([[1, -1, 1, -1], [-1, 1, -1, 1]]), None)
+    ms_res = 8 * e * e / 3
+    assert (c["seed"], c["problem"], c["seed×problem"], c["var(m_s)"]) == pytest.approx(
+        (0.08 - ms_res / 4, np.var(b, ddof=1) - ms_res / 2, ms_res, 0.08))
     n, p = 5, 0.3
     pmf = np.array([math.comb(n, k) * p**k * (1 - p) ** (n - k) for k in range(n + 1)])
     assert pmf @ stats.sampling_variance(list(range(n + 1)), n) == pytest.approx(p * (1 - p) / n)
