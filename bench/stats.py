@@ -18,7 +18,7 @@ unbiased pass@k(x) (eval_passk.py):
                  resamples three numbers (10 distinct multisets) and cannot widen for a df of 2: too narrow to judge by.
   P(A > B)       mean over seed pairs (i, j) of 1[a_i > b_j] + ½·1[a_i = b_j], a_i and b_j the seeds' means of v
                  (all S_A·S_B pairs; S_A against a fixed B) [Agarwal et al. 2021, "Deep RL at the edge of the
-                 statistical precipice", §4.3: probability of improvement].
+                 statistical precipice": the probability of improvement].
   Holm           K pre-stated claims, p_(1) ≤ … ≤ p_(K): reject H_(i) while p_(i) ≤ α/(K − i + 1), stop at the first
                  that is not [Holm 1979]; family-wise error ≤ α. Adjusted p̃_(i) = max_{j≤i} min(1, (K − j + 1)·p_(j)).
   MDE            (t_{1−α',S−1} + t_{0.8,S−1})·sd/√S: the true effect (from δ0) a one-sided t test at level α' detects
@@ -31,10 +31,13 @@ unbiased pass@k(x) (eval_passk.py):
                  MS_res/P; var(m_x) = σ²_problem + MS_res/S. σ²_ε, the sampling variance of one cell, is known for
                  pass@1: c(n−c)/(n²(n−1)) is unbiased for p(1−p)/n, the variance of c/n; summed over the models whose
                  samples vary with the seed (A@s, and B@s when paired; the base's noise is shared by every seed, so it
-                 sits in b_x). The models share the sampler's seeds (common random numbers), which correlates their
-                 noise: the sum is an upper bound. Greedy: σ²_ε = 0. pass@k, k > 1: folded into σ²_sp. A seed's mean
-                 has var(m_s) = σ²_seed + (σ²_sp + σ²_ε)/P, the sum the shares in the report divide; σ²_problem/P is
+                 sits in b_x). Every model draws a problem's samples from the same sampler seeds (common random
+                 numbers), so their noise is correlated and the part that varies with the training seed is smaller:
+                 the sum is an upper bound. Greedy: σ²_ε = 0. pass@k, k > 1: folded into σ²_sp. A seed's mean has
+                 var(m_s) = σ²_seed + (σ²_sp + σ²_ε)/P, the sum the shares in the report divide; σ²_problem/P is
                  what the t interval leaves out (the problems are shared by every seed, so b_x cancels in m_s − m̄).
+                 Crossed, not one-way within seeds: a one-way split would count b_x (the problems' shared effect,
+                 the base's own values among it) as noise within each seed, and subtract too much from σ²_seed.
 """
 
 from __future__ import annotations
