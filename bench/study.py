@@ -345,8 +345,9 @@ def claim_tables(rows: list[dict]) -> list[str]:
              f"family-wise α = {ALPHA} (and over the same tests the other way, for \"opposite\"). Effects of trained "
              "models: the mean over seeds of each seed's paired difference on the same problems (ES, GRPO and "
              "GRPO→ES paired seed by seed), its 95 % seed-level t interval (df = seeds − 1) and the one-sided t test "
-             "of it; a margin claim tests H0: Δ ≤ −margin. P(A > B): probability of improvement over seed pairs "
-             "(Agarwal et al. 2021). Method: bench/stats.py.", "",
+             "of it; a margin claim tests H0: Δ ≤ −margin. (d) compares one model with another: its units are the "
+             "problems. A row \"not testable\" is outside the family. P(A > B): probability of improvement over seed "
+             "pairs (Agarwal et al. 2021). Method: bench/stats.py.", "",
              "| claim | effect [95 % interval] | per seed | P(A > B) | p | Holm p | verdict |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
