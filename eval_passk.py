@@ -24,8 +24,8 @@ The paper: at s_τ ≈ 78%, pass@1 of θ_τ stays within ±0.5 pt of the full ES
 Uncertainty: 95% percentile bootstrap over problems ([Efron & Tibshirani 1993] ch. 13; B = --resamples, from --seed)
 of v(x) = 1[greedy correct] and v(x) = pass@k(x) (unbiased per problem: the interval covers c(x)'s sampling noise
 too). Paired ([Miller 2024] arXiv 2411.00640): d(x) = v_m(x) − v_ref(x) for every row m ≠ --reference, on the same
-resamples; won / lost = #{x: d(x) > 0} / #{x: d(x) < 0}. Seeds: labels METHOD@SEED (es@0 es@1 es@2) add a row
-METHOD@* with v(x) = the mean over seeds of v_s(x), so every seed and the reference are resampled on the same problems.
+resamples; won / lost = #{x: d(x) > 0} / #{x: d(x) < 0}. Labels METHOD@SEED add a row METHOD@* whose interval counts
+the seed, which moves every problem at once: m̄ ± t_{0.975,S−1}·sd(m_s)/√S over the seed means m_s of v_s(x) or d_s(x).
 Sparsity: each θ_τ's pass@1, and d(x) = pass@1_τ(x) − pass@1_θ(x) paired with its full model, on the same resamples.
 
 Choices the papers leave open (and why):
@@ -58,6 +58,7 @@ Run it:
 from __future__ import annotations
 
 import json
+import math
 import os
 import typing
 from collections import Counter
@@ -162,8 +163,7 @@ def k_grid(n: int) -> list[int]:
 
 
 def bootstrap_draws(num_problems: int, resamples: int, seed: int) -> np.ndarray:
-    """(B, P): how often each problem is drawn in each of B resamples of the P problems with replacement."""
-    # the counts of P draws with replacement are Multinomial(P, 1/P each): one vectorised call, no (B, P) indices
+    """(B, P): how often each problem is drawn in each of B resamples of the P problems: Multinomial(P, 1/P each)."""
     return np.random.default_rng(seed).multinomial(num_problems, np.full(num_problems, 1 / num_problems), resamples)
 
 
@@ -174,10 +174,28 @@ def interval(values: np.ndarray, draws: np.ndarray) -> np.ndarray:
 
 
 def paired(values: np.ndarray, ref_values: np.ndarray, draws: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """d(x) = v(x) − v_ref(x) for (P, M) values on the same problems: its mean and interval (3, M) on the same
-    resamples for both, and the problems won #{d > 0} and lost #{d < 0}, (M,) each."""
+    """d(x) = v(x) − v_ref(x) of (P, M) values: mean and interval (3, M) on the same resamples; #{d > 0}, #{d < 0}."""
     d = values - ref_values  # (P, M)
     return interval(d, draws), (d > 0).sum(0), (d < 0).sum(0)
+
+
+def t_table(df: int) -> tuple[np.ndarray, np.ndarray]:
+    """Student's t CDF on a grid of φ: t = √ν·tan φ turns F(t) = ½ + c ∫_0^φ cos^{ν−1}ψ dψ, c = Γ((ν+1)/2)/(√π·Γ(ν/2)),
+    into a smooth integral on [0, π/2] (trapezoid rule, 2·10⁵ steps: quantiles to ~1e-9). Returns (φ, F(φ))."""
+    phi = np.linspace(0, np.pi / 2, 200_001)
+    f = np.cos(phi) ** (df - 1) * math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
+    return phi, 0.5 + np.concatenate([[0.0], np.cumsum(f[1:] + f[:-1]) * (phi[1] - phi[0]) / 2])
+
+
+def t_quantile(q: float, df: int) -> float:
+    """t_{q,ν}: F(t) = q, inverting t_table's monotone F(φ) (symmetric: t_{1−q,ν} = −t_{q,ν})."""
+    return math.copysign(math.sqrt(df) * math.tan(float(np.interp(max(q, 1 - q), *t_table(df)[::-1]))), q - 0.5)
+
+
+def seed_interval(values: np.ndarray) -> np.ndarray:
+    """(3, M): m̄ = mean_s m_s, m_s = mean_x v_s(x) of `values` (S ≥ 2, P, M), and m̄ ± t_{0.975,S−1}·sd(m_s)/√S."""
+    m = values.mean(1)  # (S, M)
+    return m.mean(0) + np.outer([0, -1, 1], t_quantile(0.975, len(m) - 1) * m.std(0, ddof=1) / math.sqrt(len(m)))
 
 
 def per_problem(result: dict, n: int, ks: Sequence[int]) -> np.ndarray:
@@ -187,8 +205,8 @@ def per_problem(result: dict, n: int, ks: Sequence[int]) -> np.ndarray:
 
 
 def uncertainty(report: dict, reference: str, resamples: int, seed: int) -> dict:
-    """Greedy and pass@k of every model and pooled METHOD@* with 95% intervals, and their paired differences from
-    `reference` (module docstring): {"rows": {row: {task: {metric: {mean, ci, diff, diff_ci, won, lost}}}}, …}."""
+    """Greedy and pass@k of every model and METHOD@* with 95% intervals, and their paired differences from `reference`
+    (module docstring): {"rows": {row: {task: {metric: {mean, ci, diff, diff_ci, won, lost}}}}, …}."""
     results, metrics = report["results"], ["greedy"] + [f"pass@{k}" for k in report["ks"]]
     method_of = {label: label.rpartition("@")[0] + "@*" for label in results if "@" in label}  # es@0 → es@*
     methods = {name: [label for label in method_of if method_of[label] == name] for name in method_of.values()}
@@ -199,26 +217,24 @@ def uncertainty(report: dict, reference: str, resamples: int, seed: int) -> dict
         draws = draws_of[task] = bootstrap_draws(len(ref["correct_counts"]), resamples,
                                                  derive_seed(seed, "bootstrap", task))
         values = {label: per_problem(r[task], report["n"], report["ks"]) for label, r in results.items()}  # (P, M)
-        values |= {name: np.mean([values[label] for label in labels], 0) for name, labels in methods.items()}
+        values |= {name: np.stack([values[label] for label in labels]) for name, labels in methods.items()}  # (S, P, M)
         for label, v in values.items():
-            cells = [{"mean": mean, "ci": [lo, hi]} for mean, lo, hi in zip(*interval(v, draws).tolist())]
-            if label != reference:
-                diff, won, lost = paired(v, values[reference], draws)
+            ci = seed_interval(v) if v.ndim == 3 else interval(v, draws)  # METHOD@*: its seeds' spread; else problems'
+            cells = [{"mean": mean, "ci": [lo, hi]} for mean, lo, hi in zip(*ci.tolist())]
+            if label != reference:  # won/lost of a METHOD@* by its seed-mean d(x); v_ref(x): the same for every seed
+                diff, won, lost = paired(v.mean(0) if v.ndim == 3 else v, values[reference], draws)
+                diff = seed_interval(v - values[reference]) if v.ndim == 3 else diff
                 for cell, d_mean, lo, hi, n_won, n_lost in zip(cells, *diff.tolist(), won.tolist(), lost.tolist()):
                     cell |= {"diff": d_mean, "diff_ci": [lo, hi], "won": n_won, "lost": n_lost}
             rows.setdefault(label, {})[task] = dict(zip(metrics, cells))
     sparsity: dict[str, list] = {}  # each θ_τ's pass@1 and its paired difference from the full θ, on the resamples
     for label, sp in report.get("sparsity", {}).items():  # of the main task's rows
-        draws = draws_of[report["task"]]
-        full = np.array(results[label][report["task"]]["correct_counts"])[:, None] / report["n"]  # (P, 1): c/n
-        sparsity[label] = []
-        for row in sp["taus"]:
-            v = np.array(row["correct_counts"])[:, None] / report["n"]
-            diff, won, lost = paired(v, full, draws)
-            mean, lo, hi = interval(v, draws)[:, 0].tolist()
-            d, d_lo, d_hi = diff[:, 0].tolist()
-            sparsity[label].append({"tau": row["tau"], "mean": mean, "ci": [lo, hi], "diff": d, "diff_ci": [d_lo, d_hi],
-                                    "won": int(won[0]), "lost": int(lost[0])})
+        full = np.array(results[label][report["task"]]["correct_counts"])[:, None] / report["n"]  # (P, 1): c(x)/n
+        v = np.reshape([row["correct_counts"] for row in sp["taus"]], (len(sp["taus"]), len(full))).T / report["n"]
+        (d, d_lo, d_hi), won, lost = [a.tolist() for a in paired(v, full, draws_of[report["task"]])]  # (P, T): θ_τ's
+        mean, lo, hi = interval(v, draws_of[report["task"]]).tolist()
+        sparsity[label] = [{"tau": row["tau"], "mean": mean[i], "ci": [lo[i], hi[i]], "diff": d[i], "diff_ci": [
+            d_lo[i], d_hi[i]], "won": won[i], "lost": lost[i]} for i, row in enumerate(sp["taus"])]
     return {"reference": reference, "resamples": resamples, "seed": seed, "methods": methods, "rows": rows,
             "sparsity": sparsity}
 
@@ -357,8 +373,9 @@ def markdown(report: dict) -> str:
         return f"{100 * mean:{fmt}} [{100 * bounds[0]:{fmt}}, {100 * bounds[1]:{fmt}}]"
 
     head = "| model | task | greedy |" + "".join(f" pass@{k} |" for k in ks)
-    lines = [f"In %: the mean over problems [95% bootstrap interval, {u['resamples']} resamples]; METHOD@* pools its "
-             "seeds METHOD@s", "", head + f" maj@{ks[-1]} | reward | tokens |", "|" + "---|" * (len(ks) + 6)]
+    lines = [f"In %: the mean over problems [95% bootstrap interval, {u['resamples']} resamples]; METHOD@*: its seeds' "
+             "mean [95% seed-level t interval]", "", head + f" maj@{ks[-1]} | reward | tokens |",
+             "|" + "---|" * (len(ks) + 6)]
     diffs = ["", f"Paired difference from {u['reference']} in points [95% interval] and the problems won/lost (per "
                  "problem: 1[greedy correct]; the unbiased pass@k(x))", "", head, "|" + "---|" * (len(ks) + 3)]
     for label, tasks in u["rows"].items():
@@ -393,8 +410,9 @@ def plot(report: dict, file: Path) -> None:
     import matplotlib.pyplot as plt
 
     first, ks = next(iter(report["results"].values())), report["ks"]
-    fig, axes = plt.subplots(1, len(first), figsize=(4.5 * len(first), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(first), figsize=(4.5 * len(first) + 1.5, 3.6), squeeze=False, layout="constrained")
     for ax, task in zip(axes[0], first):
+        ax.set_prop_cycle(color=plt.get_cmap("tab10" if len(report["uncertainty"]["rows"]) <= 10 else "tab20").colors)
         for label, row in report["uncertainty"]["rows"].items():
             curve = np.array([[row[task][f"pass@{k}"]["mean"], *row[task][f"pass@{k}"]["ci"]] for k in ks]).T  # (3, K)
             (line,) = ax.plot(ks, 100 * curve[0], marker="o", label=label, ls="--" if label.endswith("@*") else "-")
@@ -404,8 +422,7 @@ def plot(report: dict, file: Path) -> None:
         ax.set(title=f"{task} ({first[task]['num_problems']} problems)", xlabel="k", ylabel="pass@k (%), 95% interval")
         ax.set_ylim(0, max(ax.get_ylim()[1], 1.0))  # a flat 0% curve stays on the axis, not mid-panel
         ax.grid(alpha=0.3)
-    axes[0][0].legend()
-    fig.tight_layout()
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)  # off the data
     fig.savefig(file, dpi=120)
     plt.close(fig)
 

@@ -31,15 +31,19 @@ class Args:
     """output PNG; the markdown table is printed"""
 
 
-def curves(runs: dict[str, Path], out: Path) -> list[str]:
-    """Plot the runs' curves to `out`; a markdown table of each metric's first → last value per run."""
-    found = plot_curves(runs, out, PANELS)
+def table(found: dict[str, dict[str, list[tuple[int, float]]]]) -> list[str]:
+    """A markdown table of each metric's first → last value per run, from {run: {metric: [(step, value)]}}."""
     lines = ["| run | " + " | ".join(f"{name} (first → last)" for _, name in PANELS) + " |",
              "|---" * (len(PANELS) + 1) + "|"]
     for label, run_curves in found.items():
-        cells = [f"{p[0][1]:.3f} → {p[-1][1]:.3f}" if (p := run_curves[key]) else "–" for key, _ in PANELS]
+        cells = [f"{p[0][1]:.3f} → {p[-1][1]:.3f}" if (p := run_curves.get(key)) else "–" for key, _ in PANELS]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
+
+
+def curves(runs: dict[str, Path], out: Path) -> list[str]:
+    """Plot the runs' curves to `out`; a markdown table of each metric's first → last value per run."""
+    return table(plot_curves(runs, out, PANELS))
 
 
 def main(args: Args) -> None:

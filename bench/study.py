@@ -1,7 +1,8 @@
 """bench/study.py — [ES-LLM]'s claims at CPU scale on SmolLM2-135M, from one resumable command, with intervals.
 
-    python bench/study.py --out runs/study             # every step not yet done, then the report; rerun to resume
-    python bench/study.py --out runs/study --report    # the report only, from what the run directory holds
+    python bench/study.py --out runs/study             # every step not yet done, then --export; rerun to resume
+    python bench/study.py --out runs/study --export    # its results into docs/study/data/, then --report
+    python bench/study.py --report                     # docs/study/results.md and plots, from docs/study/data/ alone
 
 The claims ([ES-LLM] abstract, §3–5) and what measures each, all against the base model on the same problems:
   (a) ES raises pass@1, and reaches a higher pass@k than GRPO, whose token entropy collapses    eval/, GRPO's metrics
@@ -26,25 +27,34 @@ Design (fixed before the run; the defaults are the size one 2-core CPU runs in a
              Sweep: ES seed 0 at --taus, n = --heldout-n.
   population ES with N in --pops at the same 64 completions an update (N × 64/N prompts), seeds --pop-seeds, and the
              main runs' N = 8 at every seed, evaluated on the main task's problems at n = --heldout-n.
-  verdicts   an effect claimed > 0 ((a) ES vs base at pass@1, ES vs GRPO at pass@n; (c) GRPO→ES vs base at pass@1
-             and pass@n) is "reproduced" when the 95 % paired-bootstrap interval of its effect (seeds pooled:
-             METHOD@*) lies above 0, "opposite" when it lies below 0, else "undecided at this power". A claim of no
-             loss ((c) GRPO→ES vs GRPO at pass@1 and vs ES at pass@n, margin 2 points; (d) θ_τ vs θ at the τ with s_τ
-             nearest the paper's 78 %, margin 2 points, the paper's ±0.5 widened to our power; (e) held-out pass@1 vs
-             base, margin 5 points) is reproduced when the interval's lower end is above −margin, opposite when its
-             upper end is below −margin, else undecided. GRPO's entropy: reproduced when every seed ends below its
-             first update, opposite when every seed ends above. (b): Spearman's ρ between an ES run's mean JS
-             diversity and its pass@k (population protocol, every ES run), reproduced when ρ > 0 at a permutation
-             p < 0.05, else undecided. (f): the smallest N whose pooled pass@1 gain over base lies above 0.
+  verdicts   each claim is one pre-stated one-sided test, and Holm's step-down runs over all of them at family-wise
+             α = 0.05 (bench/stats.py has the math). A claim about trained models is tested on its training seeds:
+             the seed-level t test of the seeds' mean differences (df = seeds − 1), with ES, GRPO and GRPO→ES paired
+             seed by seed where they saw the same seed's prompts. An effect claimed > 0 ((a) ES vs base at pass@1,
+             ES vs GRPO at pass@n; (c) GRPO→ES vs base at pass@1 and at pass@n) tests H0: Δ ≤ 0; a claim of no loss
+             ((c) GRPO→ES vs GRPO at pass@1 and vs ES at pass@n, margin 2 points; (d) θ_τ vs θ at the τ whose s_τ is
+             nearest the paper's 78 %, margin 2 points, one model: the t test over problems; (e) held-out pass@1 vs
+             base, margin 5 points) tests H0: Δ ≤ −margin. It "holds" when Holm rejects H0, is "opposite" when Holm
+             rejects the one-sided test the other way (that direction's family, also at 0.05), else "undecided",
+             with the minimum detectable effect at 80 % power. GRPO's entropy falls: the one-sided t test of each
+             seed's first − last update > 0 (beside it the sign test, whose best p with S seeds is 1/2^S: 1/8 at 3,
+             never below 0.05). (b): Spearman's ρ between an ES run's mean JS diversity and its pass@k (population
+             protocol, every ES run), exact permutation p; "not testable" (and out of Holm's family) when no ordering
+             of this many runs with their ties reaches p < 0.05 (4 runs: 1/24 at best, 2/24 with one tie). (f): one
+             model size cannot test a size trend: "not testable here", with each N's gain shown.
 
 Every step is a subprocess of the project's scripts (the command is at the top of its log in logs/); a step is done when
 its output exists, so a killed study resumes at the step it was in (es.py and grpo.py from their last checkpoint). The
-wall time of every step goes to costs.json; report/results.md gives the claim table, every eval table and the costs.
+wall time of every step goes to costs.json. A finished run ends as --export does: every evaluation's per-problem data,
+the training curves and the costs go to --data as compact JSON (docs/study/data/: kilobytes, committed), and the report
+(results.md: the claim table, seeds, power, every eval table, curves, costs; delta-k.png, curves.png) is rebuilt from
+those files alone, into --docs: a fresh clone rebuilds it with --report, byte for byte (tests/test_study.py checks).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import shutil
 import subprocess
@@ -59,9 +69,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import derive_seed, die, require  # noqa: E402
 from harness import cli, load_curves  # noqa: E402
-from eval_passk import bootstrap_draws, markdown, paired, per_problem, plot, uncertainty  # noqa: E402
+from eval_passk import markdown, parse_models, seed_interval, uncertainty  # noqa: E402
 
 import plot_curves  # noqa: E402  (bench/, beside this file)
+from stats import (ALPHA, RESAMPLES, SEED, entropy_row, judge, population_rows, seeded, seeded_row,  # noqa: E402
+                   seeds_of, sparsity_row)
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("es", "grpo", "grpo_es", "es_grpo")
@@ -70,9 +82,15 @@ METHODS = ("es", "grpo", "grpo_es", "es_grpo")
 @dataclass
 class Args:
     out: str = "runs/study"
-    """run directory (data/, runs/, eval/, heldout/, sweep/, pop/, logs/, costs.json, report/)"""
+    """run directory (data/, runs/, eval/, heldout/, sweep/, pop/, logs/, costs.json)"""
     report: bool = False
-    """only write the report from what --out holds (nothing is run)"""
+    """only rebuild the report (--docs) from --data: nothing is run, no run directory is needed"""
+    export: bool = False
+    """only export --out's results into --data, then rebuild the report (nothing is run)"""
+    data: str = "docs/study/data"
+    """the exported results, compact JSON (committed): all that the report reads"""
+    docs: str = "docs/study"
+    """where the report goes: results.md, delta-k.png, curves.png"""
     model: str = "smollm2-135m"
     """base model (a folder, or 'smollm2-135m')"""
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -209,12 +227,61 @@ def run_all(args: Args) -> None:
     evaluate(args, "pop", "base", args.model, [])
 
 
-# ---------------------------------------------------------------------------------------------------- report
-RESAMPLES, SEED = 2000, 0  # eval_passk's defaults: the same resamples as each evaluation's own passk.md
+# ---------------------------------------------------------------------------------------------------- data
+KINDS = ("eval", "heldout", "sweep", "pop")  # a folder of eval_passk runs each in the run directory, a file in --data
+CURVE_KEYS = [key for key, _ in plot_curves.PANELS]  # train reward, greedy eval reward and accuracy, JS, entropy
+PROTOCOL = ("data", "num_problems", "temperature", "top_p", "max_new_tokens", "chat_template", "seed", "backend")
 
 
-def load(file: Path) -> dict:
-    """An eval_passk passk.json, with its k keys as ints again (JSON made them strings)."""
+def write_json(file: Path, data: dict) -> None:
+    """JSON with each entry of a top-level dict on a line of its own: kilobytes, and a diff names the model changed."""
+    def line(key: str, value: object, indent: str) -> str:
+        return f"{indent}{json.dumps(key)}: {json.dumps(value, separators=(',', ':'))}"
+
+    parts = [f" {json.dumps(k)}: {{\n" + ",\n".join(line(kk, vv, "  ") for kk, vv in v.items()) + "\n }"
+             if isinstance(v, dict) and v else line(k, v, " ") for k, v in data.items()]
+    file.write_text("{\n" + ",\n".join(parts) + "\n}\n" if parts else "{}\n")
+
+
+def export(out: Path, data: Path) -> None:
+    """The run directory's results into `data`: per kind, its evaluations merged into KIND.json (eval_passk's passk.json
+    less its intervals, which the report recomputes: per model the per-problem greedy verdicts and correct counts, n,
+    ks, the task; `seeds`: each label's training seed; `protocol`: the sampling flags), curves.json (each training
+    run's logged curves), costs.json (each step's wall seconds)."""
+    data.mkdir(parents=True, exist_ok=True)
+    for kind in KINDS:
+        folders = sorted(f.parent for f in (out / kind).glob("*/passk.json"))
+        (data / f"{kind}.json").unlink(missing_ok=True)  # no stale kind from an older export
+        if not folders:
+            continue
+        runs = [json.loads((f / "passk.json").read_text()) for f in folders]
+        protocol = json.loads((folders[0] / "args.json").read_text())["args"]
+        merged = {key: runs[0][key] for key in ("task", "split", "n", "ks", "base")} | {"protocol": {
+            key: protocol[key] for key in PROTOCOL}, "models": {}, "seeds": {}, "results": {}, "sparsity": {}}
+        for folder, r in zip(folders, runs):
+            require(r["n"] == runs[0]["n"], f"{kind}/: evaluations with different n ({r['n']}, {runs[0]['n']})")
+            # the models as the study named them (passk.json holds the paths they resolved to on that machine)
+            merged["models"] |= parse_models(json.loads((folder / "args.json").read_text())["args"]["models"])
+            merged["results"] |= r["results"]
+            merged["sparsity"] |= r["sparsity"]
+        merged["seeds"] = {label: int(label.rpartition("@")[2]) if "@" in label else None
+                           for label in merged["results"]}
+        write_json(data / f"{kind}.json", merged)
+    curves = {}
+    for run in sorted((out / "runs").glob("*-s*")):  # es-s0, es4-s0, grpo_es-s2 → es@0, es4@0, grpo_es@2
+        if (run / "metrics.jsonl").is_file():
+            name, _, seed = run.name.rpartition("-s")
+            curves[f"{name}@{seed}"] = {key: c for key, c in load_curves(run, CURVE_KEYS).items() if c}
+    write_json(data / "curves.json", curves)
+    costs = out / "costs.json"
+    write_json(data / "costs.json", json.loads(costs.read_text()) if costs.exists() else {})
+    print(f"exported {out} into {data} ({sum(f.stat().st_size for f in data.glob('*.json')) / 1024:.0f} KiB)")
+
+
+def load(file: Path) -> Optional[dict]:
+    """An exported KIND.json (None when absent), with its k keys as ints again (JSON made them strings)."""
+    if not file.exists():
+        return None
     report = json.loads(file.read_text())
     for tasks in report["results"].values():
         for r in tasks.values():
@@ -222,175 +289,213 @@ def load(file: Path) -> dict:
     return report
 
 
-def merged(out: Path, kind: str) -> Optional[dict]:
-    """One eval_passk report of every model evaluated under KIND/ (the same problems and sampler seeds for all), with
-    intervals and paired differences from the base; None when nothing is there yet."""
-    runs = [load(f) for f in sorted((out / kind).glob("*/passk.json"))]
-    if not runs or not any("base" in r["results"] for r in runs):
-        return None
-    first = runs[0]
-    report = {"task": first["task"], "split": first["split"], "n": first["n"], "ks": first["ks"], "base": None,
-              "models": {}, "results": {}, "sparsity": {}}
-    for r in runs:
-        require(r["n"] == first["n"], f"{kind}/: evaluations with different n ({r['n']}, {first['n']})")
-        report["models"] |= r["models"]
-        report["results"] |= r["results"]
-    report["uncertainty"] = uncertainty(report, "base", RESAMPLES, SEED)
-    return report
+def load_data(data: Path) -> dict:
+    """Everything export wrote ({kind: report or None, "curves": …, "costs": …}), each report with eval_passk's
+    intervals recomputed: against the base (the sweep: its full model), on the same resamples as its passk.md."""
+    found: dict = {kind: load(data / f"{kind}.json") for kind in KINDS}
+    for kind, report in found.items():
+        if report is not None and (kind == "sweep" or "base" in report["results"]):
+            report["uncertainty"] = uncertainty(report, "base" if kind != "sweep" else next(iter(report["results"])),
+                                                RESAMPLES, SEED)
+    return found | {name: json.loads((data / f"{name}.json").read_text()) if (data / f"{name}.json").exists() else {}
+                    for name in ("curves", "costs")}
 
 
-def values(report: dict, row: str, metric: str) -> np.ndarray:
-    """(P,): v(x) of a label, or of METHOD@* (the mean over its seeds), for 'greedy' or 'pass@k'."""
-    col = ["greedy", *[f"pass@{k}" for k in report["ks"]]].index(metric)
-    labels = [label for label in report["results"] if label.rpartition("@")[0] + "@*" == row] or [row]
-    return np.mean([per_problem(report["results"][label][report["task"]], report["n"], report["ks"])[:, col]
-                    for label in labels], 0)
-
-
-def effect(report: dict, a: str, b: str, metric: str) -> dict:
-    """v_a − v_b on the same problems: mean and 95% paired interval (in points), problems won/lost, and the sign of
-    each seed's own difference when a is METHOD@*."""
-    va, vb = values(report, a, metric), values(report, b, metric)
-    draws = bootstrap_draws(len(va), RESAMPLES, derive_seed(SEED, "bootstrap", report["task"]))
-    diff, won, lost = paired(va[:, None], vb[:, None], draws)  # one column: (3, 1), (1,), (1,)
-    mean, lo, hi = diff[:, 0]
-    seeds = [values(report, label, metric).mean() - vb.mean() for label in report["results"]
-             if a.endswith("@*") and label.rpartition("@")[0] == a[:-2]]
-    return {"mean": 100 * mean, "ci": [100 * lo, 100 * hi], "won": int(won[0]), "lost": int(lost[0]),
-            "seeds_up": sum(s > 0 for s in seeds), "seeds": len(seeds)}
-
-
-def verdict(e: dict, margin: Optional[float] = None) -> str:
-    """Pre-stated rule (module docstring): an effect claimed > 0, or with `margin` an absence claimed (lo > −margin)."""
-    lo, hi = e["ci"]
-    if margin is None:
-        return "reproduced" if lo > 0 else "opposite" if hi < 0 else "undecided at this power"
-    return "reproduced" if lo > -margin else "opposite" if hi < -margin else "undecided at this power"
-
-
-def fmt(e: dict) -> str:
-    seeds = f"; {e['seeds_up']}/{e['seeds']} seeds up" if e["seeds"] else ""
-    return f"{e['mean']:+.1f} [{e['ci'][0]:+.1f}, {e['ci'][1]:+.1f}] pt, {e['won']}/{e['lost']} problems{seeds}"
-
-
-def spearman(x: np.ndarray, y: np.ndarray, permutations: int = 10_000) -> tuple[float, float]:
-    """Spearman's ρ (ranks; ties get their mean rank) and the one-sided permutation p-value of ρ ≥ observed."""
-    def ranks(v: np.ndarray) -> np.ndarray:
-        order = np.argsort(v, kind="stable")
-        r = np.empty(len(v))
-        r[order] = np.arange(len(v))
-        return np.array([r[v == value].mean() for value in v])
-
-    rx, ry = ranks(x), ranks(y)
-    rho = float(np.corrcoef(rx, ry)[0, 1])
-    rng = np.random.default_rng(derive_seed(SEED, "spearman"))
-    null = np.array([np.corrcoef(rx, rng.permutation(ry))[0, 1] for _ in range(permutations)])
-    return rho, float((1 + (null >= rho - 1e-12).sum()) / (1 + permutations))
-
-
-def claims(out: Path, main: dict, heldout: Optional[dict], sweep: Optional[dict], pop: Optional[dict]) -> list[str]:
-    """The claim table: the measured effect, its 95% interval, how many seeds agree, and the verdict."""
+# ---------------------------------------------------------------------------------------------------- claims
+def claims(data: dict) -> list[dict]:
+    """Every pre-stated claim the data can speak to, in order, judged together (module docstring)."""
+    main, heldout, sweep, pop = data["eval"], data["heldout"], data["sweep"], data["pop"]
     k = f"pass@{main['ks'][-1]}"
-    planned = [("(a) ES raises pass@1", main, "es", "base", "pass@1", None),
-               (f"(a) ES reaches a higher {k} than GRPO", main, "es", "grpo", k, None),
-               ("(c) GRPO→ES above base at pass@1", main, "grpo_es", "base", "pass@1", None),
-               (f"(c) GRPO→ES above base at {k}", main, "grpo_es", "base", k, None),
-               ("(c) GRPO→ES not below GRPO at pass@1 (margin 2 pt)", main, "grpo_es", "grpo", "pass@1", 2.0),
-               (f"(c) GRPO→ES not below ES at {k} (margin 2 pt)", main, "grpo_es", "es", k, 2.0),
-               ("(e) ES does not forget the held-out products (pass@1, margin 5 pt)", heldout, "es", "base", "pass@1",
-                5.0),
-               ("(e) nor does GRPO (the same rule)", heldout, "grpo", "base", "pass@1", 5.0)]
-    lines = ["| claim | effect (pooled seeds) [95 % paired interval] | verdict |", "|---|---|---|"]
-    for name, report, a, b, metric, margin in planned:
-        found = {label.rpartition("@")[0] or label for label in (report or {}).get("results", {})}
-        if a in found and b in found:  # a study still running has some methods and seeds only
-            e = effect(report, f"{a}@*", b if b == "base" else f"{b}@*", metric)
-            lines.append(f"| {name} | {fmt(e)} | {verdict(e, margin)} |")
-    entropy = {seed: load_curves(out / "runs" / f"grpo-s{seed}", ["grpo/entropy"])["grpo/entropy"]
-               for seed in sorted({label.rpartition("@")[2] for label in main["results"] if label.startswith("grpo@")})}
-    drops = [(c[0][1], c[-1][1]) for c in entropy.values() if c]
-    if drops:
-        v = ("reproduced" if all(b < a for a, b in drops) else "opposite" if all(b > a for a, b in drops) else
-             "undecided at this power")
-        down = sum(b < a for a, b in drops)
-        lines.append("| (a) GRPO's token entropy falls (first → last update, nats) | " + ", ".join(
-            f"{a:.3f} → {b:.3f}" for a, b in drops) + f"; {down}/{len(drops)} seeds down | {v} |")
-    if sweep:
-        sp = next(iter(sweep["sparsity"].values()))
-        i = int(np.argmin([abs(row["s_tau"] - 0.78) for row in sp["taus"]]))
-        c = next(iter(sweep["uncertainty"]["sparsity"].values()))[i]
-        e = {"mean": 100 * c["diff"], "ci": [100 * x for x in c["diff_ci"]], "won": c["won"], "lost": c["lost"],
-             "seeds_up": 0, "seeds": 0}
-        tau, s_tau = sp["taus"][i]["tau"], 100 * sp["taus"][i]["s_tau"]
-        lines.append(f"| (d) resetting ES's small changes (τ = {tau:g}, s_τ = {s_tau:.0f} %) keeps pass@1 (margin 2 "
-                     f"pt) | {fmt(e)} | {verdict(e, 2.0)} |")
-    if pop:
-        lines += population(out, pop)
+    rows = [seeded_row("(a) ES raises pass@1", main, "es", "base", "pass@1", None),
+            seeded_row(f"(a) ES reaches a higher {k} than GRPO", main, "es", "grpo", k, None),
+            entropy_row(main, data["curves"]),
+            seeded_row("(c) GRPO→ES above base at pass@1", main, "grpo_es", "base", "pass@1", None),
+            seeded_row(f"(c) GRPO→ES above base at {k}", main, "grpo_es", "base", k, None),
+            seeded_row("(c) GRPO→ES not below GRPO at pass@1 (margin 2 pt)", main, "grpo_es", "grpo", "pass@1", 2.0),
+            seeded_row(f"(c) GRPO→ES not below ES at {k} (margin 2 pt)", main, "grpo_es", "es", k, 2.0),
+            sparsity_row(sweep) if sweep else None,
+            seeded_row("(e) ES does not forget the held-out products (pass@1, margin 5 pt)", heldout, "es", "base",
+                       "pass@1", 5.0),
+            seeded_row("(e) nor does GRPO (the same rule)", heldout, "grpo", "base", "pass@1", 5.0),
+            *(population_rows(pop, data["curves"]) if pop and "uncertainty" in pop else [])]
+    rows = sorted((r for r in rows if r is not None), key=lambda r: r["name"][:3])  # a study still running has some
+    judge(rows)  # methods and seeds only; (b) and (f) come from the population study
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def p_text(p: float) -> str:
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def claim_tables(rows: list[dict]) -> list[str]:
+    """The claim table, then each claimed comparison seed by seed, then the power of every test."""
+    def ci(r: dict, lo: float, hi: float) -> str:
+        f, x = r["fmt"], r["scale"]
+        return f"{x * r['mean']:{f}} [{x * lo:{f}}, {x * hi:{f}}] {r['unit']}"
+
+    def effect(r: dict) -> str:
+        if "effect_text" in r:  # (b), (f): their own numbers
+            return r["effect_text"]
+        if "ci" not in r:  # one seed: no interval
+            return f"{r['scale'] * r['mean']:{r['fmt']}} {r['unit']}"
+        return ci(r, *r["ci"]) + (" (problems)" if r["unit_name"] == "problems" else "")
+
+    family = [r for r in rows if "p" in r]
+    lines = [f"Holm's step-down over the K = {len(family)} claims with a p-value, one-sided in the claimed direction, "
+             f"family-wise α = {ALPHA} (and over the same tests the other way, for \"opposite\"). Effects of trained "
+             "models: the mean over seeds of each seed's paired difference on the same problems (ES, GRPO and "
+             "GRPO→ES paired seed by seed), its 95 % seed-level t interval (df = seeds − 1) and the one-sided t test "
+             "of it; a margin claim tests H0: Δ ≤ −margin. (d) compares one model with another: its units are the "
+             "problems. A row \"not testable\" is outside the family. P(A > B): probability of improvement over seed "
+             "pairs (Agarwal et al. 2021). Method: bench/stats.py.", "",
+             "| claim | effect [95 % interval] | per seed | P(A > B) | p | Holm p | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        per_seed = r.get("per_seed_text") or (", ".join(f"{100 * m:+.1f}" for m in r["effects"])
+                                              if "effects" in r else "—")
+        better = r.get("improvement_text") or (f"{r['improvement'][0]:.2f} ({r['improvement'][1]} pairs)"
+                                               if "improvement" in r else "—")
+        lines.append(f"| {r['name']} | {effect(r)} | {per_seed} | {better} | "
+                     + (f"{p_text(r['p'])} | {p_text(r['holm'])}" if "p" in r else "— | —") + f" | {r['verdict']} |")
+    seeded = [r for r in rows if "per_seed" in r]
+    seeds = sorted({s for r in seeded for s in r["seeds"]})
+    lines += ["", "Each comparison seed by seed: the pooled mean with its two-level bootstrap interval (seeds, then "
+                  "problems within each drawn seed; with 3 seeds too narrow to judge by), and each seed's own paired "
+                  "difference with its problem-level 95 % bootstrap interval and the problems won/lost.", "",
+              "| claim | pooled [two-level bootstrap], won/lost | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+              "|---|---|" + "---|" * len(seeds)]
+    for r in seeded:
+        cells = {s: f"{100 * m:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] {won}/{lost}"
+                 for s, (m, lo, hi, won, lost) in zip(r["seeds"], r["per_seed"])}
+        pooled = ci(r, *r["boot"]) if "boot" in r else "—"
+        lines.append(f"| {r['name']} | {pooled}, {r['won']}/{r['lost']} | "
+                     + " | ".join(cells.get(s, "—") for s in seeds) + " |")
+    lines += ["", "Power: what moves a seed's mean effect m_s — var(m_s) = σ²_seed + (σ²_seed×problem + σ²_sampling)/P,"
+                  " each share of it (sampling: pass@1's binomial variance, an upper bound under common random "
+                  "numbers; pass@k, k > 1: in seed × problem) — the problems' own spread beside it (σ_problem/√P: in "
+                  "the two-level bootstrap, not in the t interval), and the minimum detectable effect at 80 % power at "
+                  "the row's Holm step level α' (from the null: 0, or −margin), with the units that would detect the "
+                  "observed effect at that level.", "",
+              "| claim | sd of the units | seed / seed×problem / sampling | σ_problem/√P | α' | MDE | units to detect "
+              "the observed effect |", "|---|---|---|---|---|---|---|"]
+    for r in family:
+        if r["sd"] is None:
+            continue
+        f, x, c = r["fmt"], r["scale"], r.get("components")
+        shares = "—"
+        if c is not None:
+            parts = [c["seed"], c["seed×problem"] / r["problems"], c["sampling"] / r["problems"]]
+            shares = " / ".join("—" if sum(parts) == 0 or (i == 2 and r["folded"]) else f"{v / sum(parts):.0%}"
+                                for i, v in enumerate(parts))
+        problem = f"{x * math.sqrt(c['problem'] / r['problems']):.1f} {r['unit']}" if c is not None else "—"
+        needed = (f"{r['needed']:,} {r['unit_name']}" if r["needed"] else
+                  "— (the observed effect is on the null side)" if r["mean"] <= r["null"] else "> 100,000")
+        f = f.lstrip("+")  # sizes have no sign
+        lines.append(f"| {r['name']} | {x * r['sd']:{f}} {r['unit']} ({r['units']} {r['unit_name']}) | {shares} "
+                     f"| {problem} | {r['level']:.4f} | {x * r['mde']:{f}} {r['unit']} | {needed} |")
     return lines
 
 
-def population(out: Path, pop: dict) -> list[str]:
-    """(b) and (f) from the population study's evaluations."""
-    k, lines = f"pass@{pop['ks'][-1]}", []
-    sizes = sorted({int(label.partition("@")[0][2:]) for label in pop["results"] if label.startswith("es")})
-    gains = {size: effect(pop, f"es{size}@*", "base", "pass@1") for size in sizes}
-    enough = [size for size in sizes if gains[size]["ci"][0] > 0]
-    lines.append("| (f) the population ES needs (pass@1 vs base; one model size: the size trend is not testable) | " +
-                 "; ".join(f"N = {size}: {gains[size]['mean']:+.1f} [{gains[size]['ci'][0]:+.1f}, "
-                           f"{gains[size]['ci'][1]:+.1f}] ({gains[size]['seeds']} seed{'s' * (gains[size]['seeds'] != 1)})"
-                           for size in sizes) +
-                 f" | smallest N above base: {enough[0] if enough else 'none at this budget'} |")
-    x, y = [], []
-    for label in pop["results"]:
-        if label.startswith("es"):
-            size, seed = label[2:].split("@")
-            run = out / "runs" / (f"es-s{seed}" if size == "8" else f"es{size}-s{seed}")
-            js = [v for _, v in load_curves(run, ["es/js_succ_bits"])["es/js_succ_bits"]]
-            x.append(np.mean(js) if js else 0.0)
-            y.append(values(pop, label, k).mean())
-    if len(x) >= 3:
-        rho, p = spearman(np.array(x), np.array(y))
-        lines.append(f"| (b) ES runs with more JS diversity reach a higher {k} | Spearman ρ = {rho:+.2f} over {len(x)} "
-                     f"runs, permutation p = {p:.3f} | "
-                     f"{'reproduced' if rho > 0 and p < 0.05 else 'undecided at this power'} |")
-    return lines
+COMPARISONS = (("es", "base", "ES − base"), ("grpo", "base", "GRPO − base"), ("grpo_es", "base", "GRPO→ES − base"),
+               ("es", "grpo", "ES − GRPO (same seed)"), ("grpo_es", "grpo", "GRPO→ES − GRPO (same seed)"))
+COLORS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000")  # Okabe & Ito: colour-blind safe
 
 
-def write_report(args: Args) -> Path:
-    out = Path(args.out)
-    main = merged(out, "eval")
-    if main is None:
-        die(f"{out}/eval/ holds no base evaluation yet: run the study first")
-    heldout, sweep, pop = merged(out, "heldout"), None, merged(out, "pop")
-    if (out / "sweep").is_dir():
-        sweep = next((load(f) for f in sorted((out / "sweep").glob("*/passk.json"))), None)
-    report = out / "report"
-    report.mkdir(exist_ok=True)
-    plot(main, report / "passk.png")
-    trained = {f"{run.name.rpartition('-s')[0]}@{run.name.rpartition('-s')[2]}": run
-               for run in sorted((out / "runs").glob("*-s*"))
-               if run.name.rpartition("-s")[0] in METHODS and (run / "metrics.jsonl").is_file()}
-    curves = plot_curves.curves(trained, report / "curves.png") if trained else []
-    costs = json.loads((out / "costs.json").read_text()) if (out / "costs.json").exists() else {}
+def plot_deltas(main: dict, file: Path) -> None:
+    """Δ(k) = pass@k(A) − pass@k(B) vs k on a log2 axis, seed by seed (same seed where both are trained): the mean over
+    seeds with its 95 % seed-level t band, each seed a thin line. Left against the base, right method against method."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    ks = main["ks"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True, layout="constrained")
+    for (a, b, name), color in zip(COMPARISONS, COLORS):
+        if not seeds_of(main, a) or not (b in main["results"] or seeds_of(main, b)):
+            continue
+        effects = 100 * np.array([seeded(main, a, b, f"pass@{k}")["d"].mean(1) for k in ks]).T  # (S, K)
+        ax = axes[0] if b == "base" else axes[1]
+        ax.plot(ks, effects.T, color=color, lw=0.7, alpha=0.6)
+        ax.plot(ks, effects.mean(0), color=color, lw=2, marker="o", label=f"{name} ({len(effects)} seeds)")
+        if len(effects) > 1:
+            _, lo, hi = seed_interval(effects[:, None, :])  # (3, K)
+            ax.fill_between(ks, lo, hi, color=color, alpha=0.15, lw=0)
+    for ax, title in zip(axes, ("against the base", "method against method, same seed")):
+        ax.axhline(0, color="0.3", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.set(title=title, xlabel="k")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("Δ pass@k (points)")
+    handles = [h for ax in axes for h in ax.get_legend_handles_labels()[0]]
+    fig.legend(handles, [h.get_label() for h in handles], loc="outside lower center", ncol=3, fontsize=8)
+    fig.suptitle(f"pass@k differences on {main['task']} ({len(main['results']['base'][main['task']]['correct_counts'])}"
+                 f" problems, n = {main['n']}): mean over seeds, 95 % seed-level t band; thin lines: each seed")
+    fig.savefig(file, dpi=120, metadata={"Software": None})  # no version stamp: a rebuild gives the same bytes
+    plt.close(fig)
+
+
+def plot_training(curves: dict, file: Path) -> None:
+    """Training curves from the exported data: a panel per logged metric, a colour per method, a line style per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(key, name) for key, name in plot_curves.PANELS if any(c.get(key) for c in curves.values())]
+    methods = list(dict.fromkeys(label.rpartition("@")[0] for label in curves))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False, layout="constrained")
+    for label, run in curves.items():
+        method, _, seed = label.rpartition("@")
+        style = dict(color=COLORS[methods.index(method) % len(COLORS)], ls=("-", "--", ":", "-.")[int(seed) % 4])
+        for ax, (key, _) in zip(axes[0], panels):
+            if run.get(key):
+                ax.plot(*zip(*run[key]), marker="o", ms=2.5, lw=1.2, label=label, **style)
+    for ax, (_, name) in zip(axes[0], panels):
+        ax.set(title=name, xlabel="update")
+        ax.grid(alpha=0.3)
+    found = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(found.values(), found.keys(), loc="outside right upper", fontsize=8)
+    fig.savefig(file, dpi=120, metadata={"Software": None})
+    plt.close(fig)
+
+
+def write_report(data_dir: Path, docs: Path) -> Path:
+    """results.md, delta-k.png and curves.png in `docs`, from the exported data in `data_dir` alone."""
+    data = load_data(data_dir)
+    main = data["eval"]
+    if main is None or "base" not in main["results"]:
+        die(f"{data_dir} holds no evaluation of the base yet: run the study, then --export")
+    docs.mkdir(parents=True, exist_ok=True)
+    plot_deltas(main, docs / "delta-k.png")
+    trained = {label: c for label, c in data["curves"].items() if label.rpartition("@")[0] in METHODS}
+    if trained:
+        plot_training(trained, docs / "curves.png")
     lanes: dict[str, float] = {}
-    for step, seconds in costs.items():
+    for step, seconds in data["costs"].items():
         lane = (step.split("@")[0] if step.startswith(("eval-", "heldout-", "pop-", "sweep-")) else
                 step if step.startswith("data-") else step.split("-s")[0])
         lanes[lane] = lanes.get(lane, 0.0) + seconds
-    lines = [f"# Study: [ES-LLM]'s claims on {args.model}", "",
-             f"Written by `python bench/study.py --out {args.out} --report` from the run directory.", "", "## Claims",
-             "", *claims(out, main, heldout, sweep, pop), "", f"## Main task (sums ≤ 50, n = {main['n']})", "",
-             markdown(main)]
-    for title, r in (("Held-out task (products)", heldout), ("Functional sparsity", sweep), ("Population", pop)):
-        if r is not None:
-            lines += [f"## {title} (n = {r['n']})", "", markdown(r)]
-    lines += ["## Training curves (report/curves.png; GRPO→ES and ES→GRPO on one step axis)", "", *curves, ""]
+    lines = [f"# Study: [ES-LLM]'s claims on {main['models']['base']}", "",
+             "Written by `python bench/study.py --report` from docs/study/data/ alone (exported from the run directory "
+             "by `python bench/study.py --out runs/study --export`).", "", "## Claims", "", *claim_tables(claims(data)),
+             "", "![Δ pass@k against k, seed-level bands](delta-k.png)", "",
+             f"## Main task (sums ≤ 50, n = {main['n']})", "", markdown(main)]
+    for title, kind in (("Held-out task (products)", "heldout"), ("Functional sparsity", "sweep"),
+                        ("Population", "pop")):
+        if data[kind] is not None and "uncertainty" in data[kind]:  # a kind whose base is not evaluated yet: later
+            lines += [f"## {title} (n = {data[kind]['n']})", "", markdown(data[kind])]
+    if trained:
+        lines += ["## Training curves (curves.png; GRPO→ES and ES→GRPO on one step axis)", "",
+                  *plot_curves.table(trained), "", "![training curves](curves.png)", ""]
     lines += ["## Cost (wall seconds of each lane; a lane's steps summed)", "", "| lane | seconds | minutes |",
               "|---|---|---|", *[f"| {lane} | {s:.0f} | {s / 60:.1f} |" for lane, s in lanes.items()],
               f"| total | {sum(lanes.values()):.0f} | {sum(lanes.values()) / 60:.1f} |"]
-    (report / "results.md").write_text("\n".join(lines) + "\n")
+    (docs / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return report / "results.md"
+    return docs / "results.md"
 
 
 def main(args: Args) -> None:
@@ -399,8 +504,10 @@ def main(args: Args) -> None:
     require(all(COMPLETIONS % pop == 0 for pop in args.pops), f"every --pops N must divide {COMPLETIONS}")
     require(set(args.pop_seeds) <= set(args.seeds), "--pop-seeds must be among --seeds")
     if not args.report:
-        run_all(args)
-    write_report(args)
+        if not args.export:
+            run_all(args)
+        export(Path(args.out), Path(args.data))
+    write_report(Path(args.data), Path(args.docs))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 from conftest import ROOT, make_tiny_model
 from common import Problem, extract_answer, score
 from eval_passk import (Args, bootstrap_draws, interval, k_grid, main, maj_at_k, markdown, paired, pass_at_k,
-                        per_problem, plot, relative_drift, reset_small_changes, uncertainty)
+                        per_problem, plot, relative_drift, reset_small_changes, seed_interval, t_quantile, uncertainty)
 
 
 def brute_pass_at_k(n: int, c: int, k: int) -> float:
@@ -176,10 +176,37 @@ def test_paired_differences_and_won_lost_by_hand():
     assert again == u and uncertainty(report, "base", 500, seed=1)["rows"]["es"] != u["rows"]["es"]
 
 
+def test_t_quantile_against_the_closed_forms_and_the_tables():
+    """ν = 1 (Cauchy): t_q = tan(π(q − ½)); ν = 2: t_q = (2q − 1)/√(2q(1 − q)); tables for ν = 4 and ν = 10⁴."""
+    for q in (0.6, 0.8, 0.9, 0.975, 0.995, 0.9995):
+        assert t_quantile(q, 1) == pytest.approx(math.tan(math.pi * (q - 0.5)), rel=1e-8)
+        assert t_quantile(q, 2) == pytest.approx((2 * q - 1) / math.sqrt(2 * q * (1 - q)), rel=1e-7)
+        assert t_quantile(1 - q, 3) == -t_quantile(q, 3)
+    assert (round(t_quantile(0.975, 2), 6), round(t_quantile(0.975, 4), 6), round(t_quantile(0.8, 2), 6)) == (
+        4.302653, 2.776445, 1.060660)
+    assert t_quantile(0.5, 7) == 0.0 and t_quantile(0.975, 10_000) == pytest.approx(1.960201, abs=1e-6)
+
+
+def test_a_pooled_row_counts_the_seeds_not_only_the_problems():
+    """Three seeds solve every problem at the rates 1/4, 2/4, 4/4 (n = 4): every problem sees the same seed mean 7/12,
+    so resampling problems alone would give a point; the seeds' spread gives m̄ ± t_{0.975,2}·sd(m_s)/√3. Base
+    pass@1 (0, 1, 0, 0): d_s = m_s − 1/4, the same sd; the seed-mean d(x) = 7/12 − base(x) wins 3 problems, loses 1."""
+    report = report_of(4, {"base": ([0, 4, 0, 0], [0, 1, 0, 0]), "es@0": ([1] * 4, [0] * 4),
+                           "es@1": ([2] * 4, [1] * 4), "es@2": ([4] * 4, [1] * 4)})
+    sd = math.sqrt(((1 / 4 - 7 / 12) ** 2 + (2 / 4 - 7 / 12) ** 2 + (1 - 7 / 12) ** 2) / 2)  # ddof = 1
+    half = 4.302653 * sd / math.sqrt(3)
+    cell = uncertainty(report, "base", 500, seed=0)["rows"]["es@*"]["arith"]["pass@1"]
+    assert cell["mean"] == pytest.approx(7 / 12) and cell["ci"] == pytest.approx([7 / 12 - half, 7 / 12 + half])
+    assert cell["diff"] == pytest.approx(1 / 3) and cell["diff_ci"] == pytest.approx([1 / 3 - half, 1 / 3 + half])
+    assert (cell["won"], cell["lost"]) == (3, 1)
+    values = np.array([[[0.25]], [[0.5]], [[1.0]]]) * np.ones((3, 4, 1))  # (S, P, M)
+    assert seed_interval(values)[:, 0] == pytest.approx([7 / 12, 7 / 12 - half, 7 / 12 + half])
+
+
 def test_seeds_pool_by_hand_on_the_same_resamples():
-    """es@0 solves problems 0 and 2, es@1 problems 1 and 3 (n = 2, every sample alike): per problem the pooled
-    pass@1 = pass@2 = greedy = 1/2 on every problem, so resampling the seeds jointly gives a point interval (apart
-    they would not); base has c = 1 everywhere: pass@1 ties, pass@2 = 1 loses by 1/2 on all four problems."""
+    """es@0 solves problems 0 and 2, es@1 problems 1 and 3 (n = 2, every sample alike): each seed's mean pass@1 =
+    pass@2 = greedy = 1/2, so the seeds agree and the seed-level interval is a point (each seed's own, over problems,
+    is not); base has c = 1 everywhere: pass@1 ties, pass@2 = 1 loses by 1/2 on all four problems."""
     report = report_of(2, {"base": ([1, 1, 1, 1], [1, 1, 0, 0]), "es@0": ([2, 0, 2, 0], [1, 0, 1, 0]),
                            "es@1": ([0, 2, 0, 2], [0, 1, 0, 1]), "grpo@0": ([1, 1, 1, 1], [1, 1, 1, 1])})
     u = uncertainty(report, "base", 2000, seed=0)

@@ -1,9 +1,13 @@
-"""bench/study.py: its steps resume and its report's effects, verdicts and rank correlation match hand-computed values
-(the study itself takes hours; here its report runs on evaluation files written by hand)."""
+"""bench/study.py and bench/stats.py: the statistics against hand-computed values on small cases (the two-level
+interval, same-seed pairing, Holm, the minimum detectable effect, variance components, probability of improvement,
+rank correlation), the claim table's rules, the export → report round trip, the study's steps and plan, and the
+committed report rebuilt from the committed data (the study takes hours; here it runs on files written by hand)."""
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,58 +18,290 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
+import stats  # noqa: E402
 import study  # noqa: E402
-from eval_passk import k_grid, pass_at_k  # noqa: E402
+from eval_passk import k_grid, pass_at_k, seed_interval  # noqa: E402
+
+T975_1, T975_2, T95_2, T8_2 = 12.706205, 4.302653, 2.919986, 1.060660  # Student's t tables: t_{q, df}
 
 
-def write_eval(folder: Path, label: str, counts: list[int], greedy: list[int], n: int = 4) -> None:
-    """A passk.json as eval_passk.py writes it (JSON keys as strings), for one model on 'arith'."""
+def write_eval(folder: Path, label: str, counts: list[int], greedy: list[int], n: int = 4, **extra: object) -> None:
+    """A passk.json and args.json as eval_passk.py writes them (JSON keys as strings), for one model on 'arith'."""
     ks = k_grid(n)
     result = {"pass@k": {str(k): float(np.mean([pass_at_k(n, c, k) for c in counts])) for k in ks},
               "maj@k": {str(k): 0.0 for k in ks}, "reward": 0.0, "response_tokens": 5.0, "num_problems": len(counts),
               "correct_counts": counts, "greedy_correct": greedy, "greedy": float(np.mean(greedy))}
     (folder / label).mkdir(parents=True)
     (folder / label / "passk.json").write_text(json.dumps(
-        {"task": "arith", "split": "test", "n": n, "ks": ks, "models": {label: "x"}, "base": None,
-         "results": {label: {"arith": result}}, "sparsity": {}}))
+        {"task": "arith", "split": "test", "n": n, "ks": ks, "models": {label: "/machine/specific/path"}, "base": None,
+         "results": {label: {"arith": result}}, "sparsity": {}, "uncertainty": {}} | extra))
+    (folder / label / "args.json").write_text(json.dumps({"args": {
+        "models": [f"{label}=runs/{label}"], "data": "data/sums50", "num_problems": len(counts), "temperature": 0.6,
+        "top_p": 1.0, "max_new_tokens": 24, "chat_template": True, "seed": 0, "backend": "hf"}}))
 
 
-def test_effects_are_the_paired_means_with_seeds_pooled(tmp_path: Path) -> None:
+def write_curves(run: Path, rows: list[dict]) -> None:
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, **row}) + "\n" for i, row in enumerate(rows)))
+
+
+def fake_study(out: Path) -> None:
+    """A finished study's run directory in the real formats, small: ES, GRPO and GRPO→ES at seeds 0–2 on 20 problems
+    (n = 4), the held-out task, the sweep, the population study, each run's training curves, the costs."""
+    rng = np.random.default_rng(0)
+    rate = rng.random(20) * 0.6  # each problem's base solve rate
+    lift = {"base": 0.0, "es": 0.1, "grpo": 0.2, "grpo_es": 0.12, "es4": 0.05, "es8": 0.1}
+    for kind, labels in (("eval", [f"{m}@{s}" for m in ("es", "grpo", "grpo_es") for s in range(3)]),
+                         ("heldout", [f"{m}@{s}" for m in ("es", "grpo") for s in range(3)]),
+                         ("pop", ["es4@0", "es8@0", "es8@1", "es8@2"])):
+        for label in ["base", *labels]:
+            p = np.clip(rate + lift[label.partition("@")[0]] + rng.normal(0, 0.05, 20), 0, 1)
+            write_eval(out / kind, label, rng.binomial(4, p).tolist(), (rng.random(20) < p).astype(int).tolist())
+    counts = rng.binomial(4, np.clip(rate + 0.1, 0, 1))
+    taus = [{"tau": tau, "s_tau": s_tau, "reset": 1, "changed": 2, "d_rel": 0.02, "pass@1": 0.1,
+             "correct_counts": np.clip(counts - (rng.random(20) < drop), 0, 4).tolist()}
+            for tau, s_tau, drop in ((1e-3, 0.16, 0.0), (1e-2, 0.95, 0.3))]
+    write_eval(out / "sweep", "es@0", counts.tolist(), [0] * 20, base="smollm2-135m",
+               sparsity={"es@0": {"d_rel": 0.03, "pass@1": 0.2, "taus": taus}})
+    for run in [f"{m}-s{s}" for m in ("es", "grpo", "grpo_es") for s in range(3)] + ["es4-s0"]:
+        write_curves(out / "runs" / run, [{"train/reward_mean": float(rng.random()), **(
+            {"es/js_succ_bits": float(rng.random())} if run.startswith("es") else {"grpo/entropy": 1.3 / step})}
+            for step in range(1, 9)])
+    (out / "costs.json").write_text(json.dumps({"data-sums50": 4.4, "eval-base": 708.0, "es-s0": 250.0}))
+
+
+def claim_rows(tmp_path: Path) -> dict[str, dict]:
+    """Export tmp_path/run into tmp_path/data, and the claims judged from that data alone, by claim."""
+    study.export(tmp_path / "run", tmp_path / "data")
+    return {row["name"]: row for row in study.claims(study.load_data(tmp_path / "data"))}
+
+
+# ---------------------------------------------------------------------------------------------------- statistics
+def test_two_level_interval_by_hand() -> None:
+    """S = 2 seeds, P = 3 problems, d = [[1, 3, 5], [7, 9, 11]], three resamples forced by hand: (seed 0, problems
+    0 0 0; seed 0, 0 0 0) → 1; (seed 1, 2 2 2; seed 1, 0 1 2) → (33 + 27)/6 = 10; (seed 0, 0 1 2; seed 1, 1 1 1)
+    → (9 + 27)/6 = 6. Percentiles of (1, 6, 10) by linear interpolation: 2.5 % at rank 0.05 → 1.25, 97.5 % at rank
+    1.95 → 9.8; the point estimate is the plain mean 6. A second column ×10 scales it all."""
+    d = np.array([[1.0, 3.0, 5.0], [7.0, 9.0, 11.0]])[:, :, None] * [1, 10]  # (S, P, M)
+    picks = np.array([[0, 0], [1, 1], [0, 1]])  # (B, S): the seeds drawn
+    counts = np.array([[[3, 0, 0], [3, 0, 0]], [[0, 0, 3], [1, 1, 1]], [[1, 1, 1], [0, 3, 0]]])  # (B, S, P)
+    assert stats.two_level(d, picks, counts) == pytest.approx(np.array([[6, 60], [1.25, 12.5], [9.8, 98]]))
+    picks, counts = stats.seed_draws(3, 5, 400, seed=7)
+    assert picks.shape == (400, 3) and set(np.unique(picks)) == {0, 1, 2} and (counts.sum(2) == 5).all()
+    assert not (counts[:, 0] == counts[:, 1]).all(1).all()  # each drawn seed gets its own problems
+    assert np.array_equal(stats.seed_draws(3, 5, 400, seed=7)[1], counts)
+
+
+def test_same_seed_pairing_pairs_each_seed_with_its_own() -> None:
+    """ES@s solves one sample more than GRPO@s on every problem (n = 4), while the seeds differ widely: paired seed
+    by seed, d_s(x) = 1/4 everywhere (a point interval, p = 0); against GRPO's pooled mean 5/12 the ES seeds would
+    differ by (−1/6, 1/3, 7/12). The results are listed out of seed order. P(ES > GRPO) over the 9 seed pairs of
+    means (1/4, 3/4, 1) vs (0, 1/2, 3/4): 1 + 2.5 + 3 = 6.5 of 9."""
+    grpo, es = {0: [0] * 8, 1: [2] * 8, 2: [3] * 8}, {0: [1] * 8, 1: [3] * 8, 2: [4] * 8}
+    results = {}
+    for label, c in (("grpo@2", grpo[2]), ("es@1", es[1]), ("grpo@0", grpo[0]), ("base", [1] * 8), ("es@0", es[0]),
+                     ("grpo@1", grpo[1]), ("es@2", es[2])):
+        results[label] = {"arith": {"correct_counts": c, "greedy_correct": [0] * 8}}
+    report = {"task": "arith", "n": 4, "ks": [1, 2, 4], "results": results}
+    found = stats.seeded(report, "es", "grpo", "pass@1")
+    assert found["seeds"] == [0, 1, 2] and found["d"] == pytest.approx(np.full((3, 8), 0.25))
+    row = stats.seeded_row("x", report, "es", "grpo", "pass@1", None)
+    assert row["ci"] == pytest.approx([0.25, 0.25]) and row["boot"] == pytest.approx([0.25, 0.25])
+    assert (row["p"], row["p_opp"]) == pytest.approx((0, 1), abs=1e-9)
+    assert row["improvement"] == (pytest.approx(6.5 / 9), 9)
+    vs_base = stats.seeded(report, "es", "base", "pass@1")  # a fixed model: the same base for every seed
+    assert vs_base["d"][:, 0] == pytest.approx([0, 0.5, 0.75]) and vs_base["b"] == pytest.approx([0.25])
+
+
+def test_holm_steps_down_by_hand() -> None:
+    """p = (0.01, 0.04, 0.03) at α = 0.05: sorted 0.01 ≤ 0.05/3 is rejected, then 0.03 > 0.05/2 stops the steps: only
+    the first. Adjusted: 3·0.01 = 0.03, max(0.03, 2·0.03) = 0.06, max(0.06, 1·0.04) = 0.06. (0.03, 0.04, 0.045)
+    rejects none (0.03 > 0.05/3), where a step-up rule (Hochberg) would reject all three (0.045 ≤ 0.05)."""
+    adjusted, levels = stats.holm([0.01, 0.04, 0.03], 0.05)
+    assert adjusted == pytest.approx([0.03, 0.06, 0.06]) and levels == pytest.approx([0.05 / 3, 0.05, 0.025])
+    assert (adjusted <= 0.05).tolist() == [True, False, False]
+    assert (stats.holm([0.03, 0.04, 0.045])[0] <= 0.05).tolist() == [False, False, False]
+    assert stats.holm([0.001, 0.02, 0.04])[0] == pytest.approx([0.003, 0.04, 0.04])  # every step passes
+    assert stats.holm([0.5, 0.5])[0] == pytest.approx([1.0, 1.0])  # capped at 1
+
+
+def test_t_tests_and_the_minimum_detectable_effect_by_hand() -> None:
+    """The issue's case: GRPO→ES − base at pass@16 per seed +2.0, +21.0, −1.5 points. Mean 7.17, sd 12.107 (ddof 1),
+    t interval 7.17 ± 4.302653·12.107/√3 = [−22.9, +37.2]; MDE at α' = 0.05 (80 % power) = (t_{.95,2} + t_{.8,2})·sd/√3
+    = 27.8 points. ν = 2 has a closed-form CDF, F(t) = ½ + t/(2√(2 + t²)): (1, 2, 3) against 0 gives t = 2√3."""
+    effects = np.array([2.0, 21.0, -1.5])
+    sd = math.sqrt(((2 - 43 / 6) ** 2 + (21 - 43 / 6) ** 2 + (-1.5 - 43 / 6) ** 2) / 2)
+    assert sd == pytest.approx(12.107, abs=1e-3)
+    mean, lo, hi = seed_interval(effects[:, None, None])[:, 0]
+    assert (mean, lo, hi) == pytest.approx((43 / 6, 43 / 6 - T975_2 * sd / math.sqrt(3), 43 / 6 + T975_2 * sd / 3**0.5))
+    assert (round(lo, 1), round(hi, 1)) == (-22.9, 37.2)
+    assert stats.mde(sd, 3, 0.05) == pytest.approx((T95_2 + T8_2) * sd / math.sqrt(3), rel=1e-6)
+    assert stats.mde(sd, 3, 0.05) == pytest.approx(27.82, abs=0.01)
+    needed = stats.units_needed(sd, 43 / 6, 0.05)  # the fewest seeds whose MDE reaches the observed effect
+    assert stats.mde(sd, needed, 0.05) <= 43 / 6 < stats.mde(sd, needed - 1, 0.05)
+    assert stats.units_needed(sd, -1.0, 0.05) is None and stats.units_needed(sd, 1e-6, 0.05) is None
+    for x in (-3.0, 0.0, 0.7, 5.0):
+        assert stats.t_cdf(x, 2) == pytest.approx(0.5 + x / (2 * math.sqrt(2 + x * x)), abs=1e-9)
+        assert stats.t_cdf(x, 1) == pytest.approx(0.5 + math.atan(x) / math.pi, abs=1e-9)
+    p, p_opp = stats.t_test(np.array([1.0, 2.0, 3.0]))
+    assert p == pytest.approx(0.5 - 2 * 3**0.5 / (2 * math.sqrt(14)), abs=1e-9) and p + p_opp == pytest.approx(1)
+    assert stats.t_test(np.array([1.0, 2.0, 3.0]), null=2.0) == pytest.approx((0.5, 0.5))  # a margin moves the null
+    assert stats.t_test(np.array([0.3, 0.3])) == (0.0, 1.0) and stats.t_test(np.zeros(3)) == (0.5, 0.5)
+
+
+def test_variance_components_and_the_sampling_variance_by_hand() -> None:
+    """d_s(x) = a_s + b_x exactly (no interaction): σ²_seed = var(a), σ²_problem = var(b), σ²_seed×problem = 0. A ±e
+    checkerboard has zero seed and problem means: everything is interaction, MS_res = 4e²/((2−1)(2−1)). Both, S = 2
+    and P = 4: MS_res = 8e²/(1·3), σ²_seed = var(a) − MS_res/4, σ²_problem = var(b) − MS_res/2. c(n − c)/(n²(n − 1))
+    averages to p(1 − p)/n over Binomial(n, p) (exactly, by enumeration)."""
+    a, b = np.array([0.0, 0.1, 0.2]), np.array([0.0, 0.2, 0.4, 0.6])
+    c = stats.components(a[:, None] + b[None, :], np.zeros((3, 4)))
+    assert (c["seed"], c["problem"], c["seed×problem"], c["sampling"]) == pytest.approx(
+        (np.var(a, ddof=1), np.var(b, ddof=1), 0.0, 0.0))
+    e = 0.3
+    c = stats.components(np.array([[e, -e], [-e, e]]), np.full((2, 2), 0.01))
+    assert (c["seed"], c["problem"], c["seed×problem"], c["sampling"]) == pytest.approx((0, 0, 4 * e * e - 0.01, 0.01))
+    assert stats.components(np.array([[e, -e], [-e, e]]), None)["seed×problem"] == pytest.approx(4 * e * e)
+    a, e = np.array([0.0, 0.4]), 0.1
+    c = stats.components(a[:, None] + b[None, :] + e * np.array([[1, -1, 1, -1], [-1, 1, -1, 1]]), None)
+    ms_res = 8 * e * e / 3
+    assert (c["seed"], c["problem"], c["seed×problem"], c["var(m_s)"]) == pytest.approx(
+        (0.08 - ms_res / 4, np.var(b, ddof=1) - ms_res / 2, ms_res, 0.08))
+    n, p = 5, 0.3
+    pmf = np.array([math.comb(n, k) * p**k * (1 - p) ** (n - k) for k in range(n + 1)])
+    assert pmf @ stats.sampling_variance(list(range(n + 1)), n) == pytest.approx(p * (1 - p) / n)
+    assert stats.sampling_variance([2], 4)[0] == pytest.approx(2 * 2 / (16 * 3))
+
+
+def test_probability_of_improvement_over_seed_pairs() -> None:
+    """a = (1, 2, 3), b = (2, 2, 0): a_1 beats one b, a_2 ties two and beats one (½ + ½ + 1), a_3 beats all three:
+    6 of 9 pairs."""
+    assert stats.improvement(np.array([1.0, 2, 3]), np.array([2.0, 2, 0])) == (pytest.approx(6 / 9), 9)
+    assert stats.improvement(np.array([0.5, 0.6]), np.array([0.55])) == (0.5, 2)
+
+
+def test_spearman_exact_permutation_p_and_the_smallest_attainable() -> None:
+    rho, p, least = stats.spearman(np.array([1.0, 2, 3, 4]), np.array([1.0, 3, 2, 4]))
+    assert rho == pytest.approx(1 - 6 * 2 / (4 * 15))  # 1 − 6Σd²/(n(n²−1)), Σd² = 2
+    assert p == pytest.approx(4 / 24) and least == pytest.approx(1 / 24)  # 4 of the 24 orderings have Σd² ≤ 2
+    rho_ties, _, least_ties = stats.spearman(np.array([1.0, 1, 2, 3]), np.array([5.0, 6, 7, 8]))  # x: 0.5 0.5 2 3
+    assert rho_ties == pytest.approx(np.corrcoef([0.5, 0.5, 2, 3], [0, 1, 2, 3])[0, 1])
+    assert least_ties == pytest.approx(2 / 24)  # a tie: two orderings reach the top ρ, so p ≥ 1/12 > 0.05
+    assert stats.spearman(np.arange(3.0), np.arange(3.0))[2] == pytest.approx(1 / 6)  # 3 runs: never below 0.05
+
+
+def test_judge_holds_opposite_and_undecided_with_its_power() -> None:
+    """K = 3. Claimed direction: p = 0.004 (×3 = 0.012: holds), 0.03 (×2 = 0.06: not), 0.9999. The other direction:
+    0.0001 (×3: opposite). The undecided row at its Holm step level α' = 0.05/2, 3 seeds, sd 0.05 (of points/100):
+    MDE = (t_{0.975,2} + t_{0.8,2})·0.05/√3 = 15.5 points."""
+    def row(p: float, sd: float = 0.01) -> dict:
+        return {"p": p, "p_opp": 1 - p, "sd": sd, "units": 3, "mean": 0.02, "null": 0.0, "scale": 100, "unit": "pt",
+                "fmt": "+.1f"}
+
+    rows = [row(0.004), row(0.9999), row(0.03, sd=0.05), {"name": "(f)", "verdict": "not testable here"}]
+    stats.judge(rows)
+    assert [r["verdict"] for r in rows] == ["holds", "opposite", "undecided (MDE 15.5 pt at 80 % power)",
+                                            "not testable here"]
+    assert rows[2]["level"] == pytest.approx(0.025) and rows[2]["holm"] == pytest.approx(0.06)
+    assert rows[2]["mde"] == pytest.approx((T975_2 + T8_2) * 0.05 / math.sqrt(3), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------- claims
+def test_effects_are_the_paired_means_of_the_seeds(tmp_path: Path) -> None:
+    """pass@1(x) = c/4: seed 0's d = (1, 0, 1, 0)/4, m_0 = 1/8; seed 1's (2, 1, 0, 0)/4, m_1 = 3/16; pooled 5/32 with
+    the t interval at df = 1; the seed-mean d(x) = (1.5, 0.5, 0.5, 0)/4 wins 3 problems; each seed's mean pass@1
+    (9/16, 10/16) beats the base's 7/16."""
     base, es0, es1 = [0, 1, 2, 4], [1, 1, 3, 4], [2, 2, 2, 4]  # c(x) of 4 samples on 4 problems
     for label, counts in (("base", base), ("es@0", es0), ("es@1", es1)):
-        write_eval(tmp_path / "eval", label, counts, [int(c >= 2) for c in counts])
-    report = study.merged(tmp_path, "eval")
-    e = study.effect(report, "es@*", "base", "pass@1")
-    # pass@1(x) = c/4; es@* = the mean of the two seeds per problem: (1.5, 1.5, 2.5, 4)/4 vs (0, 1, 2, 4)/4
-    assert e["mean"] == pytest.approx(100 * np.mean([1.5, 0.5, 0.5, 0]) / 4)
-    assert (e["won"], e["lost"], e["seeds_up"], e["seeds"]) == (3, 0, 2, 2)
-    assert e["ci"][0] >= 0 and e["ci"][1] <= 100 * 1.5 / 4  # a resampled mean of d(x) ≥ 0 lies in [min d, max d]
-    k4 = study.effect(report, "es@0", "base", "pass@4")  # pass@4(x) = 1[c ≥ 1]: only problem 0 changes, 0 → 1
-    assert k4["mean"] == pytest.approx(25.0) and (k4["won"], k4["lost"], k4["seeds"]) == (1, 0, 0)
-    g = study.effect(report, "es@1", "base", "greedy")  # greedy 1[c ≥ 2]: es@1 wins problems 0 and 1
-    assert g["mean"] == pytest.approx(50.0) and (g["won"], g["lost"]) == (2, 0)
-    same = study.effect(report, "es@0", "es@0", "pass@2")  # d(x) = 0 everywhere: a zero-width interval
-    assert same["mean"] == 0 and same["ci"] == [0, 0] and (same["won"], same["lost"]) == (0, 0)
+        write_eval(tmp_path / "run" / "eval", label, counts, [int(c >= 2) for c in counts])
+    study.export(tmp_path / "run", tmp_path / "data")
+    report = study.load_data(tmp_path / "data")["eval"]
+    r = stats.seeded_row("x", report, "es", "base", "pass@1", None)
+    half = T975_1 * np.std([1 / 8, 3 / 16], ddof=1) / math.sqrt(2)
+    assert r["effects"] == pytest.approx([1 / 8, 3 / 16]) and r["mean"] == pytest.approx(np.mean([1.5, .5, .5, 0]) / 4)
+    assert r["ci"] == pytest.approx([5 / 32 - half, 5 / 32 + half], rel=1e-6)
+    assert (r["won"], r["lost"], r["improvement"]) == (3, 0, (1.0, 2))
+    assert [c[0] for c in r["per_seed"]] == pytest.approx([1 / 8, 3 / 16])
+    assert [c[3:] for c in r["per_seed"]] == [(2, 0), (2, 0)] and r["per_seed"][0][1] >= 0  # d ≥ 0: so is the interval
+    k4 = stats.seeded_row("x", report, "es", "base", "pass@4", None)  # pass@4(x) = 1[c ≥ 1]: seed 0 wins problem 0
+    assert k4["per_seed"][0][0] == pytest.approx(0.25) and k4["per_seed"][0][3:] == (1, 0)
+    g = stats.seeded_row("x", report, "es", "base", "greedy", None)  # greedy 1[c ≥ 2]: es@1 wins problems 0 and 1
+    assert g["per_seed"][1][0] == pytest.approx(0.5) and g["per_seed"][1][3:] == (2, 0)
+    same = stats.seeded_row("x", report, "es", "es", "pass@2", None)  # each seed against itself: exactly 0
+    assert same["mean"] == 0 and list(same["ci"]) == [0, 0] and all(list(c) == [0] * 5 for c in same["per_seed"])
 
 
-def test_verdicts_follow_the_stated_rule() -> None:
-    def e(lo: float, hi: float) -> dict:
-        return {"ci": [lo, hi]}
+def test_the_claim_table_of_a_study_still_running(tmp_path: Path) -> None:
+    """Only the rows whose methods are evaluated. ES at seeds 0, 1 against base on 30 problems: m_s = 1/3, 1/6, so
+    t = (1/4)/(sd/√2) = 3 at df = 1: p = ½ − atan(3)/π, undecided. GRPO at seed 0 only: ES vs GRPO pairs one seed,
+    and GRPO's entropy has one seed: not testable (the sign test's chance shown beside)."""
+    base = [0] * 30
+    for label, counts in (("base", base), ("es@0", [2] * 20 + [0] * 10), ("es@1", [1] * 20 + [0] * 10),
+                          ("grpo@0", base)):
+        write_eval(tmp_path / "run" / "eval", label, counts, [0] * 30)
+    write_curves(tmp_path / "run" / "runs" / "grpo-s0", [{"grpo/entropy": 0.9}, {"grpo/entropy": 0.5}])
+    rows = claim_rows(tmp_path)
+    assert list(rows) == ["(a) ES raises pass@1", "(a) ES reaches a higher pass@4 than GRPO",
+                          "(a) GRPO's token entropy falls (first → last update)"]
+    es = rows["(a) ES raises pass@1"]
+    assert es["mean"] == pytest.approx(0.25) and es["p"] == pytest.approx(0.5 - math.atan(3) / math.pi, abs=1e-9)
+    assert es["holm"] == pytest.approx(es["p"]) and es["verdict"].startswith("undecided (MDE ")  # K = 1
+    assert rows["(a) ES reaches a higher pass@4 than GRPO"]["verdict"] == "not testable at 1 seed"
+    entropy = rows["(a) GRPO's token entropy falls (first → last update)"]
+    assert entropy["per_seed_text"] == "0.900 → 0.500" and entropy["verdict"] == "not testable at 1 seed"
+    assert entropy["improvement_text"] == "1/1 seeds down; sign test p = 0.500 (at best 1/2^1)"
+    shutil.rmtree(tmp_path / "run" / "eval" / "grpo@0")  # GRPO not evaluated yet: no row compares with it
+    assert list(claim_rows(tmp_path)) == ["(a) ES raises pass@1"]
 
-    assert [study.verdict(e(lo, hi)) for lo, hi in ((0.1, 3), (-3, -0.1), (-1, 1), (0, 2))] == [
-        "reproduced", "opposite", "undecided at this power", "undecided at this power"]
-    assert [study.verdict(e(lo, hi), 2.0) for lo, hi in ((-1.9, 5), (-9, -2.1), (-2.5, 1), (-2, 0))] == [
-        "reproduced", "opposite", "undecided at this power", "undecided at this power"]
+
+def test_the_entropy_rule_is_a_t_test_with_the_sign_test_beside_it(tmp_path: Path) -> None:
+    """Three GRPO seeds, entropy first → last 1.25 → 0.09, 1.32 → 0.11, 1.21 → 0.15: drops (1.16, 1.21, 1.06), t at
+    df = 2 by the closed form; the sign test's 3/3 down has chance 1/8, above 0.05 whatever the data."""
+    for s, (first, last) in enumerate(((1.25, 0.09), (1.32, 0.11), (1.21, 0.15))):
+        write_eval(tmp_path / "run" / "eval", f"grpo@{s}", [1] * 5, [0] * 5)
+        write_curves(tmp_path / "run" / "runs" / f"grpo-s{s}", [{"grpo/entropy": first}, {"grpo/entropy": last}])
+    write_eval(tmp_path / "run" / "eval", "base", [0] * 5, [0] * 5)
+    entropy = claim_rows(tmp_path)["(a) GRPO's token entropy falls (first → last update)"]
+    drops = np.array([1.16, 1.21, 1.06])
+    t = drops.mean() / (drops.std(ddof=1) / math.sqrt(3))
+    assert entropy["p"] == pytest.approx(0.5 - t / (2 * math.sqrt(2 + t * t)), abs=1e-9)
+    assert entropy["improvement_text"] == "3/3 seeds down; sign test p = 0.125 (at best 1/2^3)"
+    assert entropy["verdict"] == "holds"  # K = 1: no other claim can be tested on these files
 
 
-def test_spearman_matches_the_closed_form_and_the_exact_permutation_p() -> None:
-    rho, p = study.spearman(np.array([1.0, 2, 3, 4]), np.array([1.0, 3, 2, 4]))
-    assert rho == pytest.approx(1 - 6 * 2 / (4 * 15))  # 1 − 6Σd²/(n(n²−1)), Σd² = 2
-    assert p == pytest.approx(4 / 24, abs=0.015)  # 4 of the 24 orderings have Σd² ≤ 2
-    rho_ties, _ = study.spearman(np.array([1.0, 1, 2, 3]), np.array([5.0, 6, 7, 8]))  # x ranks 0.5 0.5 2 3
-    assert rho_ties == pytest.approx(np.corrcoef([0.5, 0.5, 2, 3], [0, 1, 2, 3])[0, 1])
+def test_export_then_report_rebuilds_byte_for_byte_without_the_run_directory(tmp_path: Path) -> None:
+    fake_study(tmp_path / "run")
+    study.main(study.Args(out=str(tmp_path / "run"), export=True, data=str(tmp_path / "data"),
+                          docs=str(tmp_path / "docs")))
+    assert sorted(f.name for f in (tmp_path / "data").iterdir()) == [
+        "costs.json", "curves.json", "eval.json", "heldout.json", "pop.json", "sweep.json"]
+    assert sum(f.stat().st_size for f in (tmp_path / "data").iterdir()) < 30_000  # kilobytes: no checkpoints
+    eval_data = json.loads((tmp_path / "data" / "eval.json").read_text())
+    assert eval_data["models"]["es@1"] == "runs/es@1" and eval_data["seeds"]["grpo_es@2"] == 2  # as the study named
+    assert eval_data["protocol"]["temperature"] == 0.6 and "uncertainty" not in eval_data  # them; recomputed later
+    shutil.rmtree(tmp_path / "run")  # the report reads the exported data alone
+    study.main(study.Args(report=True, data=str(tmp_path / "data"), docs=str(tmp_path / "again")))
+    report = (tmp_path / "docs" / "results.md").read_text()
+    assert (tmp_path / "again" / "results.md").read_text() == report
+    for png in ("delta-k.png", "curves.png"):
+        assert (tmp_path / "again" / png).read_bytes() == (tmp_path / "docs" / png).read_bytes()
+    for claim in ("(a) ES raises pass@1 |", "(b) ES runs with more JS diversity", "(c) GRPO→ES not below ES at pass@4",
+                  "(d) resetting ES's small changes (τ = 0.01, s_τ = 95 %)", "(e) nor does GRPO",
+                  "| not testable here (one model size) |", "## Held-out task (products) (n = 4)", "| es@* | arith |"):
+        assert claim in report, claim
+    assert "| seed 0 | seed 1 | seed 2 |" in report and "| total | 962 | 16.0 |" in report
 
 
+def test_the_committed_report_is_rebuilt_from_the_committed_data(tmp_path: Path) -> None:
+    """docs/study/results.md is what `python bench/study.py --report` writes from docs/study/data/ on a fresh clone."""
+    data = ROOT / "docs" / "study" / "data"
+    if not (data / "eval.json").exists():
+        pytest.skip("docs/study/data/ is not committed yet")
+    study.write_report(data, tmp_path)
+    assert (tmp_path / "results.md").read_text() == (ROOT / "docs" / "study" / "results.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------- the study
 def test_steps_skip_when_done_and_a_failed_step_stops_the_study(tmp_path: Path) -> None:
     args = study.Args(out=str(tmp_path / "study"))
     done = tmp_path / "study" / "x" / "done.txt"
@@ -81,31 +317,6 @@ def test_steps_skip_when_done_and_a_failed_step_stops_the_study(tmp_path: Path) 
     with pytest.raises(SystemExit, match="step fails failed"):
         study.run_step(args, "fails", other, ["-c", "raise SystemExit(3)"], partial=other.parent)
     assert not other.parent.exists()  # the partial folder was removed before the retry, and nothing marks it done
-
-
-def test_the_claim_table_of_a_study_still_running(tmp_path: Path) -> None:
-    """Only the rows whose methods are evaluated; verdicts by the rule: ES ahead of base on 20 of 30 problems and
-    never behind is reproduced, GRPO behind ES at pass@4 everywhere makes ES-vs-GRPO reproduced."""
-    base = [0] * 30
-    for label, counts in (("base", base), ("es@0", [2] * 20 + [0] * 10), ("es@1", [1] * 20 + [0] * 10),
-                          ("grpo@0", base)):
-        write_eval(tmp_path / "eval", label, counts, [0] * 30)
-    main = study.merged(tmp_path, "eval")
-    (tmp_path / "runs" / "grpo-s0").mkdir(parents=True)
-    (tmp_path / "runs" / "grpo-s0" / "metrics.jsonl").write_text(
-        "".join(json.dumps({"step": s, "grpo/entropy": e}) + "\n" for s, e in ((1, 0.9), (2, 0.5))))
-    lines = study.claims(tmp_path, main, None, None, None)
-    table = {line.split(" | ")[0][2:]: line for line in lines[2:]}
-    assert set(table) == {"(a) ES raises pass@1", "(a) ES reaches a higher pass@4 than GRPO",
-                          "(a) GRPO's token entropy falls (first → last update, nats)"}
-    assert table["(a) ES raises pass@1"].endswith("2/2 seeds up | reproduced |")
-    assert "+25.0 [" in table["(a) ES raises pass@1"]  # mean over problems of (2/4 + 1/4)/2 on 20 of 30: 25 points
-    assert table["(a) ES reaches a higher pass@4 than GRPO"].endswith("| reproduced |")
-    entropy = table["(a) GRPO's token entropy falls (first → last update, nats)"]
-    assert "0.900 → 0.500; 1/1 seeds down | reproduced |" in entropy
-    (tmp_path / "eval" / "grpo@0" / "passk.json").unlink()  # GRPO not evaluated yet: no row compares with it
-    lines = study.claims(tmp_path, study.merged(tmp_path, "eval"), None, None, None)
-    assert [line.split(" | ")[0][2:] for line in lines[2:]] == ["(a) ES raises pass@1"]
 
 
 def test_the_plan_matches_budgets_and_the_population_study_keeps_64_completions(monkeypatch: pytest.MonkeyPatch,
