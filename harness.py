@@ -1,21 +1,14 @@
-"""Running a script — the plumbing es.py, es_lowrank.py, grpo.py, grpo_es.py and eval_passk.py share; a first read of
-an algorithm can skip this file (the science is in common.py and the scripts themselves).
-
-  flags      `cli` (tyro, with --resume DIR taking the run's saved flags), `check_run_dir`, `require_min`
-  schedule   `plan`: the number of updates and the training problems of each (epoch-wise shuffles or random)
-  run        `Run`: args.json, metrics.jsonl, checkpoints with resume and pruning, Ctrl-C/SIGTERM, TensorBoard/W&B,
-             curves.png; `held_interrupts` (a signal waits until an update is whole); `evaluate_greedy`
-  devices    torchrun (`init_distributed`, `single_process`) and the GPU-memory preflight of ES with vLLM
-
-Stopped at any instant — SIGINT, SIGTERM, or kill -9 — a run resumes with `--resume DIR` to exactly the weights and
-metrics of an uninterrupted one (on CPU): a checkpoint holds whole updates only and is written by one rename.
-"""
+"""Running a script, the plumbing the scripts share (a first read of an algorithm can skip it): flags and --resume
+(`cli`), the prompt schedule (`plan`), the run directory (`Run`: args.json, metrics.jsonl, checkpoints, Ctrl-C and
+SIGTERM, TensorBoard/W&B, curves.png), torchrun, and the GPU-memory preflight of ES with vLLM. Stopped at any instant
+(SIGINT, SIGTERM, kill -9), a run resumes with --resume DIR to the weights and metrics of an uninterrupted one (CPU)."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.metadata
 import json
+import math
 import os
 import re
 import shutil
@@ -281,10 +274,8 @@ class Run:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}"
-        n /= 1000
+    i = min(int(math.log10(max(n, 1)) // 3), 3)  # B, kB, MB, GB
+    return f"{n / 1000**i:.1f} {('B', 'kB', 'MB', 'GB')[i]}"
 
 
 def _tracker(kind: str, run: Path, config: Any, start: int) -> Callable[[dict[str, float], int], None]:
@@ -348,15 +339,10 @@ def plot_curves(runs: dict[str, Path], file: Path, panels: Sequence[tuple[str, s
 
 
 # ---------------------------------------------------------------------------------------------------- devices
-def torchrun_world() -> int:
-    """The number of processes torchrun started (WORLD_SIZE), 1 under plain `python`."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def init_distributed(timeout_min: float = 120) -> tuple[int, int]:
     """(rank, world size) under torchrun, one GPU per process; (0, 1) under `python`. GPUs: NCCL for CUDA tensors, gloo
     for CPU ones. The timeout outlasts rank 0's evaluation and checkpoint while the others wait (default: 30 min)."""
-    world = torchrun_world()
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # the processes torchrun started; 1 under `python`
     if world == 1:
         return 0, 1
     if torch.cuda.is_available():
@@ -370,7 +356,7 @@ def init_distributed(timeout_min: float = 120) -> tuple[int, int]:
 
 def single_process(script: str) -> None:
     """Refuse torchrun for a script that runs one process: every rank would take GPU 0 and write one run dir."""
-    world = torchrun_world()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     require(world == 1, f"{script} runs in one process (WORLD_SIZE is {world}): start it with python, not torchrun")
 
 

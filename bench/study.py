@@ -44,7 +44,10 @@ Design (fixed before the run; the defaults are the size one 2-core CPU runs in a
              model size cannot test a size trend: "not testable here", with each N's gain shown.
 
 Every step is a subprocess of the project's scripts (the command is at the top of its log in logs/); a step is done when
-its output exists, so a killed study resumes at the step it was in (es.py and grpo.py from their last checkpoint). The
+its output exists, so a killed study resumes at the step it was in (es.py and grpo.py from their last checkpoint). An
+evaluation already in --data (committed by an earlier run, on any machine) is skipped, and a model is trained only when
+an evaluation still needs it, so the study can be carried out in parts: run it, --export what finished, commit, and
+the next run (a fresh run directory) starts at the first lane not committed; --export adds to --data. The
 wall time of every step goes to costs.json. A finished run ends as --export does: every evaluation's per-problem data,
 the training curves and the costs go to --data as compact JSON (docs/study/data/: kilobytes, committed), and the report
 (results.md: the claim table, seeds, power, every eval table, curves, costs; delta-k.png, curves.png) is rebuilt from
@@ -62,7 +65,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import numpy as np
 
@@ -187,13 +190,21 @@ def train(args: Args, method: str, seed: int, pop: int = 8) -> Path:
     return run / "final"
 
 
-def evaluate(args: Args, kind: str, label: str, model: str, extra: list[str]) -> None:
-    """eval_passk.py on one model into KIND/LABEL/ (a killed evaluation starts over)."""
+def committed(args: Args, kind: str, label: str) -> bool:
+    """Is LABEL's evaluation of KIND in --data already (exported by an earlier run, perhaps on another machine)?"""
+    return label in (load(Path(args.data) / f"{kind}.json") or {"results": {}})["results"]
+
+
+def evaluate(args: Args, kind: str, label: str, model: Callable[[], str], extra: list[str]) -> None:
+    """eval_passk.py on one model into KIND/LABEL/ (a killed evaluation starts over), unless --data has it: `model()`
+    gives the model's folder, training it on first need, so a lane whose results are committed costs nothing."""
+    if committed(args, kind, label):
+        return
     out = Path(args.out) / kind / label
     data, n, problems = ("sums50", args.n, args.problems) if kind == "eval" else (
         "products" if kind == "heldout" else "sums50", args.heldout_n,
         args.heldout_problems if kind == "heldout" else args.problems)
-    argv = ["eval_passk.py", "--models", f"{label}={model}", "--task", "arith", "--data", f"{args.out}/data/{data}",
+    argv = ["eval_passk.py", "--models", f"{label}={model()}", "--task", "arith", "--data", f"{args.out}/data/{data}",
             "--num-problems", str(problems), "--n", str(n), "--max-new-tokens", str(args.max_new_tokens), "--seed", "0",
             "--backend", args.eval_backend, "--batch-size", str(args.batch_size), "--out-dir", str(out), *extra,
             *(["--chat-template"] if args.chat_template else [])]
@@ -206,25 +217,28 @@ def run_all(args: Args) -> None:
                         ("products", ["--ops", "*", "--max-number", "15", "--train", "25", "--test", "200"])):
         run_step(args, f"data-{name}", out / "data" / name / "test.jsonl",
                  ["bench/task_data.py", "--kind", "sums", "--seed", "1", "--out", f"{out}/data/{name}", *flags])
+    trained: dict[tuple[str, int, int], Path] = {}
+
+    def final(method: str, seed: int, pop: int = 8) -> Callable[[], str]:  # its final checkpoint, trained once
+        return lambda: str(trained.get((method, seed, pop)) or trained.setdefault(
+            (method, seed, pop), train(args, method, seed, pop)))
+
+    base = lambda: args.model  # noqa: E731
     for kind in ("heldout", "eval"):  # the held-out base first: the quickest check that the task is not at the floor
-        evaluate(args, kind, "base", args.model, [])
-    es_final = {}  # seed → the main ES run's final checkpoint (also the sweep's θ and the population study's N = 8)
+        evaluate(args, kind, "base", base, [])
     for seed in args.seeds:  # seed by seed: a study stopped early still has every method at its first seeds
         for method in ("es", *[m for m in args.methods if m != "es"]):  # ES always: the sweep and N = 8 use it
-            final = train(args, method, seed)
-            if method == "es":
-                es_final[seed] = final
             for kind in ("eval", "heldout") if method in ("es", "grpo") else ("eval",):  # (e) asks of ES and GRPO
-                evaluate(args, kind, f"{method}@{seed}", str(final), [])
+                evaluate(args, kind, f"{method}@{seed}", final(method, seed), [])
         if seed == args.seeds[0]:
-            evaluate(args, "sweep", f"es@{seed}", str(es_final[seed]),
+            evaluate(args, "sweep", f"es@{seed}", final("es", seed),
                      ["--base", args.model, "--reset-tau", *map(str, args.taus)])
     for pop in args.pops:
         for seed in args.pop_seeds:
-            evaluate(args, "pop", f"es{pop}@{seed}", str(train(args, "es", seed, pop)), [])
+            evaluate(args, "pop", f"es{pop}@{seed}", final("es", seed, pop), [])
     for seed in args.seeds:  # N = 8 on the population study's protocol: the main runs, every seed (for (b)'s ρ)
-        evaluate(args, "pop", f"es8@{seed}", str(es_final[seed]), [])
-    evaluate(args, "pop", "base", args.model, [])
+        evaluate(args, "pop", f"es8@{seed}", final("es", seed), [])
+    evaluate(args, "pop", "base", base, [])
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -251,13 +265,17 @@ def export(out: Path, data: Path) -> None:
     data.mkdir(parents=True, exist_ok=True)
     for kind in KINDS:
         folders = sorted(f.parent for f in (out / kind).glob("*/passk.json"))
-        (data / f"{kind}.json").unlink(missing_ok=True)  # no stale kind from an older export
         if not folders:
             continue
         runs = [json.loads((f / "passk.json").read_text()) for f in folders]
         protocol = json.loads((folders[0] / "args.json").read_text())["args"]
         merged = {key: runs[0][key] for key in ("task", "split", "n", "ks", "base")} | {"protocol": {
             key: protocol[key] for key in PROTOCOL}, "models": {}, "seeds": {}, "results": {}, "sparsity": {}}
+        if (data / f"{kind}.json").exists():  # lanes exported earlier (another run directory): kept, added to
+            earlier = json.loads((data / f"{kind}.json").read_text())
+            require(earlier["protocol"] == merged["protocol"] and earlier["n"] == merged["n"],
+                    f"{data}/{kind}.json was evaluated with other settings than {out}/{kind}/")
+            merged |= {key: earlier[key] for key in ("models", "results", "sparsity")}
         for folder, r in zip(folders, runs):
             require(r["n"] == runs[0]["n"], f"{kind}/: evaluations with different n ({r['n']}, {runs[0]['n']})")
             # the models as the study named them (passk.json holds the paths they resolved to on that machine)
@@ -267,14 +285,15 @@ def export(out: Path, data: Path) -> None:
         merged["seeds"] = {label: int(label.rpartition("@")[2]) if "@" in label else None
                            for label in merged["results"]}
         write_json(data / f"{kind}.json", merged)
-    curves = {}
+    curves = json.loads((data / "curves.json").read_text()) if (data / "curves.json").exists() else {}
     for run in sorted((out / "runs").glob("*-s*")):  # es-s0, es4-s0, grpo_es-s2 → es@0, es4@0, grpo_es@2
         if (run / "metrics.jsonl").is_file():
             name, _, seed = run.name.rpartition("-s")
             curves[f"{name}@{seed}"] = {key: c for key, c in load_curves(run, CURVE_KEYS).items() if c}
     write_json(data / "curves.json", curves)
     costs = out / "costs.json"
-    write_json(data / "costs.json", json.loads(costs.read_text()) if costs.exists() else {})
+    earlier = json.loads((data / "costs.json").read_text()) if (data / "costs.json").exists() else {}
+    write_json(data / "costs.json", earlier | (json.loads(costs.read_text()) if costs.exists() else {}))
     print(f"exported {out} into {data} ({sum(f.stat().st_size for f in data.glob('*.json')) / 1024:.0f} KiB)")
 
 

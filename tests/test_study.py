@@ -71,7 +71,8 @@ def fake_study(out: Path) -> None:
 
 
 def claim_rows(tmp_path: Path) -> dict[str, dict]:
-    """Export tmp_path/run into tmp_path/data, and the claims judged from that data alone, by claim."""
+    """Export tmp_path/run into a fresh tmp_path/data, and the claims judged from that data alone, by claim."""
+    shutil.rmtree(tmp_path / "data", ignore_errors=True)  # export adds to what --data holds
     study.export(tmp_path / "run", tmp_path / "data")
     return {row["name"]: row for row in study.claims(study.load_data(tmp_path / "data"))}
 
@@ -347,3 +348,43 @@ def test_the_plan_matches_budgets_and_the_population_study_keeps_64_completions(
         with pytest.raises(SystemExit, match=message):
             study.main(study.Args(out=str(tmp_path / "bad"), **bad))
     assert not (tmp_path / "bad").exists()
+
+
+def test_lanes_committed_in_data_are_skipped_and_a_model_is_trained_only_when_needed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The study carried out in parts: an evaluation that --data holds is not run again, and a training run whose
+    evaluations are all there is not run at all; the first one still missing trains its model once."""
+    calls: list[str] = []
+    monkeypatch.setattr(study, "run_step", lambda args, name, *rest, **kw: calls.append(name))
+    data = tmp_path / "data"
+    data.mkdir()
+    done = {"eval": ["base", "es@0"], "heldout": ["base", "es@0"], "sweep": ["es@0"], "pop": ["base", "es4@0", "es8@0"]}
+    for kind, labels in done.items():
+        (data / f"{kind}.json").write_text(json.dumps(
+            {"results": {label: {"arith": {"pass@k": {}, "maj@k": {}}} for label in labels}}))
+    args = study.Args(out=str(tmp_path / "run"), data=str(data), seeds=(0,), methods=("es",))
+    study.run_all(args)
+    assert calls == ["data-sums50", "data-products"]
+    pop = json.loads((data / "pop.json").read_text())
+    del pop["results"]["es8@0"]
+    (data / "pop.json").write_text(json.dumps(pop))
+    calls.clear()
+    study.run_all(args)
+    assert calls == ["data-sums50", "data-products", "es-s0", "pop-es8@0"]
+
+
+def test_export_adds_to_the_data_of_earlier_runs(tmp_path: Path) -> None:
+    """Two run directories (two sessions, say), exported one after the other: --data holds both lanes' results, and a
+    run evaluated with other settings is refused."""
+    write_eval(tmp_path / "a" / "eval", "base", [0, 1, 2, 4], [0, 0, 1, 1])
+    write_eval(tmp_path / "a" / "eval", "es@0", [1, 1, 3, 4], [0, 0, 1, 1])
+    write_eval(tmp_path / "b" / "eval", "es@1", [2, 2, 2, 4], [1, 1, 1, 1])
+    for run in ("a", "b"):
+        study.export(tmp_path / run, tmp_path / "data")
+    merged = study.load(tmp_path / "data" / "eval.json")
+    assert sorted(merged["results"]) == ["base", "es@0", "es@1"]
+    assert merged["results"]["es@0"]["arith"]["correct_counts"] == [1, 1, 3, 4]
+    assert merged["seeds"] == {"base": None, "es@0": 0, "es@1": 1}
+    write_eval(tmp_path / "c" / "eval", "es@2", [0] * 4, [0] * 4, n=8)
+    with pytest.raises(SystemExit, match="evaluated with other settings"):
+        study.export(tmp_path / "c", tmp_path / "data")

@@ -89,3 +89,22 @@ def test_a_run_on_vllm_ends_with_the_hf_runs_weights(policy: common.VLLMPolicy, 
 
     a, b = (load_file(str(run / "checkpoints" / "step_000002" / "model.safetensors")) for run in runs.values())
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_a_signal_inside_the_lora_rollout_then_resume_ends_with_the_hf_runs_weights(tmp_path: Path) -> None:
+    """es_lowrank.py --backend vllm, SIGTERM inside iteration 2's batched LoRA rollout: the checkpoint holds θ_1 (the
+    members live in adapters, never in θ), and the resumed run ends with an uninterrupted HF run's weights."""
+    from test_runs import last_line, ok, run, weights
+
+    flags = ["--task", "arith", "--chat-template", "--pop", str(POP), "--noise-rank", str(RANK), "--prompts-per-iter",
+             "3", "--max-new-tokens", "12", "--sigma", "1e-2", "--alpha", "5e-3", "--iterations", "2", "--eval-every",
+             "0", "--batch-size", "16", "--save-every", "0"]
+    ok(run(tmp_path, *flags, "--out-dir", str(tmp_path / "hf"), script="es_lowrank"))
+    out = tmp_path / "vllm"
+    # generate calls, --eval-every 0: one batched call per iteration, 2 = iteration 2's
+    stopped = ok(run(tmp_path, *flags, "--backend", "vllm", "--vllm-memory", "0.2", "--out-dir", str(out),
+                     at_generate=2, sig="TERM", script="es_lowrank"), 143)
+    assert last_line(stopped).startswith("interrupted after update 1; checkpoint ")
+    ok(run(tmp_path, "--resume", str(out), script="es_lowrank"))
+    a, b = weights(tmp_path / "hf", 2), weights(out, 2)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
