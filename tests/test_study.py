@@ -304,7 +304,7 @@ def test_the_committed_report_is_rebuilt_from_the_committed_data(tmp_path: Path)
 
 # ---------------------------------------------------------------------------------------------------- the study
 def test_steps_skip_when_done_and_a_failed_step_stops_the_study(tmp_path: Path) -> None:
-    args = study.Args(out=str(tmp_path / "study"))
+    args = study.Args(out=str(tmp_path / "study"), data=str(tmp_path / "data"))
     done = tmp_path / "study" / "x" / "done.txt"
     write = ["-c", f"import pathlib; p = pathlib.Path({str(done)!r}); p.parent.mkdir(parents=True); p.write_text('1')"]
     study.run_step(args, "write", done, write, partial=done.parent)
@@ -326,7 +326,7 @@ def test_the_plan_matches_budgets_and_the_population_study_keeps_64_completions(
     N members × 64/N prompts, GRPO at 8 × 8; bad population flags stop it before anything runs."""
     steps: dict[str, list[str]] = {}
     monkeypatch.setattr(study, "run_step", lambda args, name, done, argv, partial=None: steps.setdefault(name, argv))
-    args = study.Args(out=str(tmp_path))
+    args = study.Args(out=str(tmp_path), data=str(tmp_path / "data"))
     study.run_all(args)
     flag = lambda name, f: steps[name][steps[name].index(f) + 1]  # noqa: E731
     trained = sorted(name for name in steps if not name.startswith(("data-", "eval-", "heldout-", "sweep-", "pop-")))
