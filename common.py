@@ -133,6 +133,11 @@ def keep_freed_memory() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # ... which is never trimmed back to the kernel
 
 
+def torchrun_world() -> int:
+    """The number of processes torchrun started (WORLD_SIZE), 1 under plain `python`."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """'auto' = bf16 on GPU, fp32 on CPU (a CPU without native bf16 runs it ~3x slower)."""
     if dtype == "auto":
@@ -422,7 +427,7 @@ class VLLMPolicy:
         from vllm import LLM
 
         options = {} if gpu_memory is None else {"gpu_memory_utilization": gpu_memory}  # share of GPU (or CPU) memory
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: each rank its own engine and device (as TRL, verl);
+        if torchrun_world() > 1:  # torchrun: each rank its own engine and device (as TRL, verl);
             # not torch.distributed.is_initialized(): a one-process engine initialises it too, so a second engine in
             # the process would take it for torchrun and fail without RANK
             options.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import common
 from common import (HFPolicy, Problem, Task, VLLMPolicy, derive_seed, meta_params, render_prompt, require, score,
-                    write_atomic)
+                    torchrun_world, write_atomic)
 
 ArgsT = TypeVar("ArgsT")
 
@@ -342,7 +342,7 @@ def plot_curves(runs: dict[str, Path], file: Path, panels: Sequence[tuple[str, s
 def init_distributed(timeout_min: float = 120) -> tuple[int, int]:
     """(rank, world size) under torchrun, one GPU per process; (0, 1) under `python`. GPUs: NCCL for CUDA tensors, gloo
     for CPU ones. The timeout outlasts rank 0's evaluation and checkpoint while the others wait (default: 30 min)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # the processes torchrun started; 1 under `python`
+    world = torchrun_world()
     if world == 1:
         return 0, 1
     if torch.cuda.is_available():
@@ -356,7 +356,7 @@ def init_distributed(timeout_min: float = 120) -> tuple[int, int]:
 
 def single_process(script: str) -> None:
     """Refuse torchrun for a script that runs one process: every rank would take GPU 0 and write one run dir."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = torchrun_world()
     require(world == 1, f"{script} runs in one process (WORLD_SIZE is {world}): start it with python, not torchrun")
 
 

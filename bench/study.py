@@ -56,6 +56,7 @@ those files alone, into --docs: a fresh clone rebuilds it with --report, byte fo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shlex
@@ -217,11 +218,10 @@ def run_all(args: Args) -> None:
                         ("products", ["--ops", "*", "--max-number", "15", "--train", "25", "--test", "200"])):
         run_step(args, f"data-{name}", out / "data" / name / "test.jsonl",
                  ["bench/task_data.py", "--kind", "sums", "--seed", "1", "--out", f"{out}/data/{name}", *flags])
-    trained: dict[tuple[str, int, int], Path] = {}
+    trained = functools.cache(lambda method, seed, pop: str(train(args, method, seed, pop)))  # each run once
 
-    def final(method: str, seed: int, pop: int = 8) -> Callable[[], str]:  # its final checkpoint, trained once
-        return lambda: str(trained.get((method, seed, pop)) or trained.setdefault(
-            (method, seed, pop), train(args, method, seed, pop)))
+    def final(method: str, seed: int, pop: int = 8) -> Callable[[], str]:  # its final checkpoint, trained on first call
+        return lambda: trained(method, seed, pop)
 
     base = lambda: args.model  # noqa: E731
     for kind in ("heldout", "eval"):  # the held-out base first: the quickest check that the task is not at the floor

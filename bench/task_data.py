@@ -27,7 +27,7 @@ from typing import Callable, Literal
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import Problem, die, make_arith, make_countdown, require  # noqa: E402
+from common import Problem, die, make_arith, make_countdown, require, write_atomic  # noqa: E402
 
 
 @dataclass
@@ -127,11 +127,12 @@ def main(args: Args) -> None:
             make_arith(total, args.seed, max_number=args.max_number, ops=args.ops), args.test) for p in part]
     else:
         rows = make_word_problems(total, args.seed, args.max_number, args.steps)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    for split, part in (("train", rows[:args.train]), ("test", rows[args.train:])):
-        (tmp / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
-    tmp.rename(out)  # nothing half-written under --out
+    def fill(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        for split, part in (("train", rows[:args.train]), ("test", rows[args.train:])):
+            (tmp / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+
+    write_atomic(out, fill)  # nothing half-written under --out
     print(f"wrote {args.train} train / {args.test} test {args.kind} problems to {out}")
 
 
