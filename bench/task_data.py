@@ -8,8 +8,10 @@ experiments (README "Results (CPU, SmolLM2-135M)") train on easier variants that
               GSM8K's rule (\\boxed{} answer, else the last number). Templates below; --max-number sets the size.
   sums        the `arith` task's "What is a ± b?" (common.make_arith) with other number ranges (--ops "*": "What is
               a * b?"); `--task arith`.
+  chains      "What is a + b - c?": --terms numbers joined by operations from --ops (usual precedence), a value ≥ 0;
+              more than one step to take, in the `arith` format; `--task arith`.
 
-Train and test are disjoint (one seeded pool, split at the end; sums keep a + b and b + a on one side):
+Train and test are disjoint (one seeded pool, split at the end; sums and chains keep a + b and b + a on one side):
 
     python bench/task_data.py --kind arith --steps 1 --max-number 20 --out data/arith1
     python es.py --task gsm8k --data data/arith1 --chat-template ...
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +37,9 @@ from common import Problem, die, make_arith, make_countdown, require, write_atom
 class Args:
     out: str
     """output folder (train.jsonl, test.jsonl); must not exist yet"""
-    kind: Literal["countdown", "arith", "sums"] = "arith"
-    """countdown: {numbers, target} records; arith: GSM8K-format word problems; sums: "What is a ± b?" """
+    kind: Literal["countdown", "arith", "sums", "chains"] = "arith"
+    """countdown: {numbers, target} records; arith: GSM8K-format word problems; sums: "What is a ± b?"; chains:
+    "What is a + b - c?" """
     sizes: tuple[int, ...] = (3,)
     """countdown: how many numbers a problem has (one drawn per problem)"""
     max_number: int = 10
@@ -43,7 +47,9 @@ class Args:
     steps: Literal[1, 2] = 1
     """arith: operations per word problem"""
     ops: str = "+-"
-    """sums: the operations drawn from ("+-", or e.g. "*" for products)"""
+    """sums, chains: the operations drawn from ("+-", or e.g. "*" for products)"""
+    terms: int = 3
+    """chains: numbers in an expression (≥ 2)"""
     max_target: int = 30
     """countdown: targets are integers in 1..max_target"""
     train: int = 1000
@@ -77,9 +83,14 @@ TWO_STEP: tuple[tuple[str, Callable[[int, int, int], int]], ...] = (
 def split_twins(problems: list[Problem], test: int) -> tuple[list[Problem], list[Problem]]:
     """(train, test) with `test` problems taken from the end of the list, and a + b, b + a (likewise a * b, b * a) on
     the same side: a model must not be tested on the commuted twin of a problem it trained on."""
-    def key(p: Problem) -> str:
-        a, op, b = p.question.removeprefix("What is ").removesuffix("?").split()
-        return f"{min(a, b, key=int)} {op} {max(a, b, key=int)}" if op in "+*" else p.question
+    def key(p: Problem) -> str:  # the expression's signed products, each with its factors sorted, sorted
+        terms, sign = [], "+"
+        for term in re.split(r" ([+-]) ", " + " + p.question.removeprefix("What is ").removesuffix("?"))[1:]:
+            if term in "+-":
+                sign = term
+            else:
+                terms.append(sign + "*".join(sorted(term.split(" * "), key=int)))
+        return " ".join(sorted(terms))
 
     groups: dict[str, list[int]] = {}
     for i, p in enumerate(problems):
@@ -91,6 +102,23 @@ def split_twins(problems: list[Problem], test: int) -> tuple[list[Problem], list
             held.update(group)
     require(len(held) == test, f"split_twins: cannot hold out exactly {test} problems with twins kept together")
     return ([p for i, p in enumerate(problems) if i not in held], [p for i, p in enumerate(problems) if i in held])
+
+
+def make_chains(count: int, seed: int, max_number: int, terms: int, ops: str) -> list[Problem]:
+    """`count` distinct "What is a + b - c?" with `terms` numbers in 1..max_number and a value ≥ 0."""
+    rng, seen, problems = random.Random(seed), set(), []
+    for _ in range(1000 * count):
+        if len(problems) == count:
+            return problems
+        parts = [str(rng.randint(1, max_number))]
+        for _ in range(terms - 1):
+            parts += [rng.choice(ops), str(rng.randint(1, max_number))]
+        expression = " ".join(parts)
+        value = eval(expression)  # noqa: S307  (digits and + - * only, written just above)
+        if expression not in seen and value >= 0:
+            seen.add(expression)
+            problems.append(Problem(f"What is {expression}?", str(value)))
+    die(f"could not generate {count} distinct chains of {terms} numbers ≤ {max_number} with value ≥ 0")
 
 
 def make_word_problems(count: int, seed: int, max_number: int, steps: int) -> list[dict]:
@@ -114,17 +142,19 @@ def main(args: Args) -> None:
     out = Path(args.out)
     if out.exists():
         die(f"--out {out} already exists; pick a new folder")
-    if min(args.sizes) < 2 or args.max_number < 3 or args.max_target < 1:
-        die("--sizes must be >= 2, --max-number >= 3 and --max-target >= 1")
+    if min(args.sizes) < 2 or args.max_number < 3 or args.max_target < 1 or args.terms < 2:
+        die("--sizes and --terms must be >= 2, --max-number >= 3 and --max-target >= 1")
     if not args.ops or set(args.ops) - set("+-*"):
         die(f"--ops '{args.ops}': use one or more of + - *")
     total = args.train + args.test
     if args.kind == "countdown":
         rows = [{"numbers": list(p.numbers), "target": p.target} for p in make_countdown(
             total, seed=args.seed, sizes=args.sizes, max_number=args.max_number, max_target=args.max_target)]
-    elif args.kind == "sums":  # commuted twins (a + b, b + a) on one side of the split
-        rows = [{"question": p.question, "answer": f"#### {p.answer}"} for part in split_twins(
-            make_arith(total, args.seed, max_number=args.max_number, ops=args.ops), args.test) for p in part]
+    elif args.kind in ("sums", "chains"):  # commuted twins (a + b, b + a) on one side of the split
+        pool = (make_arith(total, args.seed, max_number=args.max_number, ops=args.ops) if args.kind == "sums" else
+                make_chains(total, args.seed, args.max_number, args.terms, args.ops))
+        rows = [{"question": p.question, "answer": f"#### {p.answer}"} for part in split_twins(pool, args.test)
+                for p in part]
     else:
         rows = make_word_problems(total, args.seed, args.max_number, args.steps)
     def fill(tmp: Path) -> None:

@@ -219,3 +219,30 @@ def test_sums_keep_commuted_twins_on_one_side_of_the_split(tmp_path: Path) -> No
     train_q, test_q = ({json.loads(line)["question"] for line in (out / f"{s}.jsonl").read_text().splitlines()}
                        for s in ("train", "test"))
     assert len(test_q) == 100 and not {twin(common.Problem(q, "")) for q in train_q} & test_q
+
+
+def test_chains_are_multi_step_and_keep_reordered_twins_on_one_side(tmp_path: Path) -> None:
+    """task_data.py --kind chains: 'What is a + b - c?' with the value Python's precedence gives, ≥ 0, distinct; the
+    same sum reordered (a + b - c, b + a - c, a - c + b) never straddles the split, while a - b + c and a + b - c do
+    not count as twins."""
+    import task_data
+
+    problems = task_data.make_chains(400, 3, max_number=9, terms=3, ops="+-*")
+    assert len({p.question for p in problems}) == 400
+    for p in problems:
+        a, op1, b, op2, c = p.question[8:-1].split()
+        x, y, z = int(a), int(b), int(c)
+        value = {("+", "+"): x + y + z, ("+", "-"): x + y - z, ("-", "+"): x - y + z, ("-", "-"): x - y - z,
+                 ("*", "+"): x * y + z, ("*", "-"): x * y - z, ("+", "*"): x + y * z, ("-", "*"): x - y * z,
+                 ("*", "*"): x * y * z}[op1, op2]  # by hand: * binds first
+        assert int(p.answer) == value >= 0
+    twins = [common.Problem(q, "0") for q in ("What is 1 + 2 - 3?", "What is 4 - 1 + 2?", "What is 2 + 1 - 3?",
+                                              "What is 1 - 3 + 2?", "What is 2 * 3 + 1?", "What is 1 + 3 * 2?")]
+    train, test = task_data.split_twins(twins, 5)  # groups {0, 2, 3}, {1}, {4, 5}: only {1} can stay in train
+    assert [p.question for p in train] == ["What is 4 - 1 + 2?"]
+    with pytest.raises(SystemExit, match="cannot hold out exactly 4"):
+        task_data.split_twins(twins, 4)
+    out = tmp_path / "chains"
+    task_data.main(task_data.Args(out=str(out), kind="chains", max_number=20, train=200, test=50, seed=1))
+    rows = [json.loads(line) for line in (out / "test.jsonl").read_text().splitlines()]
+    assert len(rows) == 50 and all(r["question"].count(" ") == 6 and r["answer"].startswith("#### ") for r in rows)

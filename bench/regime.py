@@ -1,0 +1,462 @@
+"""bench/regime.py — [ES-LLM]'s title claim where it can show: a multi-step task, long training, pass@k up to k = 128.
+
+    python bench/regime.py --out runs/regime                 # every lane not in --data yet, each exported as it ends
+    python bench/regime.py --out runs/regime --lanes base    # only these lanes (in this order)
+    python bench/regime.py --report                          # docs/regime/results.md from --data alone
+
+The claim: after long training GRPO's pass@k at large k falls (its token entropy collapses) where ES's does not, so ES
+keeps the broader coverage. The findings study (bench/study.py) could not test it: 8 updates, k ≤ 16 at n = 16,
+one-step sums. This study is built where the claim is expected to show, and is run in lanes of about an hour each; a
+lane writes one compact JSON file into --data as it ends (commit it), and a lane whose file exists is skipped, so the
+study goes on over several runs on different machines. --report rebuilds every table and plot from --data alone.
+
+Design (written and committed before any trained model was evaluated):
+  task        "What is a + b - c?": 3 numbers ≤ 20, + and −, value ≥ 0 (`task_data.py --kind chains`, seed 1, 1000
+              train / 300 test, twins kept on one side), scored by the `arith` rules, chat template, ≤ 32 new tokens.
+              Chosen from the screened candidates (lanes screen-*, the base model at n = 32 on 100 test problems,
+              their table in the report) as the one with base pass@1 in 5–30 % and the highest pass@32.
+  splits      the 1000 training problems: 900 train every run, 100 (twins kept together) are the validation split of
+              the hyperparameter search. Evaluations: the first 100 test problems.
+  budget      every update is 64 sampled completions, as in the findings study: ES N = 8 members × 8 prompts (greedy),
+              GRPO 8 prompts × G = 8 samples (β = 0, ε = 0.2).
+  search      ≤ 3 settings each, HP_UPDATES updates of seed 0 on the 900, scored by the greedy accuracy on the 100
+              validation problems after the last update (ties: the earlier setting in the grid): ES (σ, α) in ES_GRID,
+              GRPO's learning rate in GRPO_LRS. Never the test problems.
+  pilot       seed 0 of each method for PILOT_UPDATES updates at the chosen settings, a checkpoint every 16. T, the
+              updates of every seed, is the first of 16, 32, 48, 64 where GRPO's mean training reward over the 8
+              updates before T is within 0.05 of the 8 before those (a plateau) and its token entropy (mean of those
+              8 updates) is below half its first update's (a collapse); none: 64.
+  lanes       seed s (SEEDS, ≥ 5) of ES and of GRPO, the same prompts in the same order for both: train T updates
+              (seed 0: the pilot's checkpoint at T), then evaluate θ_{T/2} at n = 32 and θ_T at n = 128 (eval_passk,
+              temperature 0.6, seed 0 and batch 256 for every model: common random numbers). The base at n = 128
+              (lane base; its n = 32 row is the chosen candidate's screen) and n = 32.
+  entropy     the token entropy of ES's and GRPO's checkpoints and the base measured one way for all: the mean
+              entropy of the next-token distribution along 4 samples (temperature 1) of 32 validation prompts.
+  endpoints   four, two-sided, Holm over the four at family-wise α = 0.05, each the seed-level t test (df = S − 1) of
+              the seeds' mean same-problem differences on the 100 test problems, ES and GRPO paired seed by seed:
+                E1 GRPO − base at pass@128    E2 ES − base at pass@128
+                E3 ES − GRPO at pass@128      E4 ES − GRPO at pass@1
+              A rejected endpoint reads "above" or "below" by its sign; the others "undecided" with their minimum
+              detectable effect at 80 % power at their Holm level. pass@128 from n = 128 samples is 1[any correct]:
+              the estimator's 0/1 case; the report says for which k it has n ≥ 4k (k ≤ 32).
+  coverage    at k = 128, seed by seed: test problems solved by both / ES only / GRPO only / neither, and what each
+              method gained and lost against the base's solved set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import HFPolicy, Problem, die, load_task, render_prompt, require  # noqa: E402
+from harness import cli, load_curves  # noqa: E402
+from eval_passk import per_problem, seed_interval  # noqa: E402
+
+from stats import ALPHA, holm, mde, seeded_row, seeds_of  # noqa: E402
+from study import COLORS, p_text, run_step, write_json  # noqa: E402
+from task_data import split_twins  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CANDIDATES = {  # task_data.py flags of the screened tasks (all --kind chains --seed 1 --train 1000 --test 300)
+    "chains20": ["--max-number", "20", "--ops", "+-"],
+    "chains10": ["--max-number", "10", "--ops", "+-"],
+    "mixed9": ["--max-number", "9", "--ops", "+-*"],
+}
+TASK = "chains20"
+SEEDS = (0, 1, 2, 3, 4)
+ES_GRID = ((5e-3, 5e-3), (5e-3, 2.5e-3), (2.5e-3, 2.5e-3))  # (σ, α): the findings study's first
+GRPO_LRS = (2e-5, 1e-5, 5e-5)  # the findings study's first
+HP_UPDATES, PILOT_UPDATES, PROBLEMS, VALIDATION = 16, 64, 100, 100
+TOKENS, BATCH = 32, 256
+CURVE_KEYS = ("train/reward_mean", "eval/reward", "eval/accuracy", "grpo/entropy", "es/js_succ_bits")
+
+
+@dataclass
+class Args:
+    out: str = "runs/regime"
+    """run directory (data/, runs/, eval/, logs/, costs.json)"""
+    report: bool = False
+    """only rebuild the report (--docs) from --data: nothing is run"""
+    lanes: tuple[str, ...] = ()
+    """run only these lanes, in this order (default: every lane not in --data, in the design's order)"""
+    data: str = "docs/regime/data"
+    """one JSON file per finished lane (committed): all that the report reads"""
+    docs: str = "docs/regime"
+    """where the report goes: results.md, passk.png"""
+    model: str = "smollm2-135m"
+    """base model (a folder, or 'smollm2-135m')"""
+    python: str = sys.executable
+    """the Python that runs the scripts"""
+
+
+# ---------------------------------------------------------------------------------------------------- steps
+def task_flags(folder: str) -> list[str]:
+    return ["--model", "{model}", "--task", "arith", "--data", folder, "--chat-template", "--max-new-tokens",
+            str(TOKENS)]
+
+
+def make_data(args: Args, name: str) -> Path:
+    """data/NAME (a candidate's 1000 / 300 problems); for the chosen task also data/val: the 900 training problems
+    every run trains on, and the 100 validation problems as its test split (the runs' own greedy evaluation)."""
+    out = Path(args.out) / "data"
+    run_step(args, f"data-{name}", out / name / "test.jsonl", ["bench/task_data.py", "--kind", "chains", "--seed", "1",
+             "--train", "1000", "--test", "300", "--out", str(out / name), *CANDIDATES[name]])
+    if name == TASK and not (out / "val" / "test.jsonl").exists():
+        rows = [json.loads(line) for line in (out / name / "train.jsonl").read_text().splitlines()]
+        problems = [Problem(r["question"], r["answer"].removeprefix("#### ")) for r in rows]
+        train, val = split_twins(problems, VALIDATION)
+        lines = lambda ps: "".join(json.dumps({"question": p.question, "answer": f"#### {p.answer}"}) + "\n"  # noqa
+                                   for p in ps)
+        (out / "val").mkdir()
+        (out / "val" / "train.jsonl").write_text(lines(train))
+        (out / "val" / "test.jsonl").write_text(lines(val))
+    return out / name
+
+
+def flags(args: Args, folder: Path) -> list[str]:
+    return [f.replace("{model}", args.model) for f in task_flags(str(folder))]
+
+
+def evaluate(args: Args, name: str, model: str, folder: Path, n: int) -> Path:
+    """eval_passk.py on one model: the first PROBLEMS test problems of `folder`, n samples each."""
+    out = Path(args.out) / "eval" / name
+    run_step(args, f"eval-{name}", out / "passk.json",
+             ["eval_passk.py", *flags(args, folder), "--models", f"{name}={model}", "--num-problems", str(PROBLEMS),
+              "--n", str(n), "--seed", "0", "--batch-size", str(BATCH), "--out-dir", str(out)], partial=out)
+    return out
+
+
+def train(args: Args, method: str, label: str, updates: int, folder: Path, setting: tuple, seed: int = 0) -> Path:
+    """es.py or grpo.py (resuming a killed run) for `updates` updates on data/val: the 900 training problems, the
+    greedy evaluation every 8 updates on the 100 validation problems; a checkpoint every 16, all kept."""
+    run = Path(args.out) / "runs" / label
+    common = [*flags(args, folder), "--seed", str(seed), "--out-dir", str(run), "--eval-every", "8",
+              "--eval-prompts", str(VALIDATION), "--save-every", "16", "--keep-last", "8"]
+    resume = ["--resume", str(run)] if (run / "args.json").exists() else []
+    if method == "es":
+        sigma, alpha = setting
+        argv = ["es.py", *common, "--pop", "8", "--prompts-per-iter", "8", "--sigma", str(sigma), "--alpha",
+                str(alpha), "--iterations", str(updates)]
+    else:
+        argv = ["grpo.py", *common, "--prompts-per-step", "8", "--group-size", "8", "--micro-batch-size", "16",
+                "--lr", str(setting[0]), "--steps", str(updates)]
+    run_step(args, label, run / "checkpoints" / f"step_{updates:06d}" / "state.json", [*argv, *resume])
+    return run
+
+
+def token_entropy(args: Args, label: str, model: str) -> float:
+    """Mean entropy (nats) of the next-token distribution along 4 samples (temperature 1) of the first 32 validation
+    prompts: one measure for the base, ES and GRPO checkpoints alike (GRPO's own log sees only its rollouts)."""
+    import torch
+
+    policy = HFPolicy(model, batch_size=128)
+    problems = load_task("arith", "test", str(Path(args.out) / "data" / "val"))[:32]
+    prompts = [render_prompt("arith", p, policy.tokenizer, True) for p in problems]
+    samples = policy.generate(prompts, n=4, max_new_tokens=TOKENS, temperature=1.0, seed=0)
+    encoded, total, count = policy.encode(prompts), 0.0, 0
+    with torch.no_grad():
+        for x in samples:
+            prompt = torch.tensor([encoded[x.prompt_index]])
+            ids = torch.cat([prompt, torch.tensor([x.token_ids])], 1)
+            logits = policy.model(ids).logits[0, prompt.shape[1] - 1:-1].float()
+            total += float(torch.distributions.Categorical(logits=logits).entropy().sum())
+            count += len(x.token_ids)
+    print(f"token entropy of {label}: {total / count:.3f} nats over {count} tokens", flush=True)
+    return total / count
+
+
+# ---------------------------------------------------------------------------------------------------- data
+def lane_file(args: Args, lane: str) -> Path:
+    return Path(args.data) / f"{lane}.json"
+
+
+def evaluation(folder: Path) -> dict:
+    """A passk.json as the report needs it: per problem the greedy verdict and correct counts, n and ks."""
+    report = json.loads((folder / "passk.json").read_text())
+    (label, tasks), = report["results"].items()
+    r = tasks["arith"]
+    return {"label": label, "n": report["n"], "ks": report["ks"], "greedy_correct": r["greedy_correct"],
+            "correct_counts": r["correct_counts"], "response_tokens": r["response_tokens"]}
+
+
+def save_lane(args: Args, lane: str, start: float, **parts: dict) -> None:
+    Path(args.data).mkdir(parents=True, exist_ok=True)
+    write_json(lane_file(args, lane), {"lane": lane, "seconds": round(time.time() - start), **parts})
+    print(f"lane {lane} done in {(time.time() - start) / 60:.0f} min: {lane_file(args, lane)} (commit it)", flush=True)
+
+
+def curves(run: Path) -> dict:
+    return {key: c for key, c in load_curves(run, CURVE_KEYS).items() if c}
+
+
+def lanes(args: Args) -> list[str]:
+    return ([f"screen-{c}" for c in CANDIDATES] + ["base"] + [f"hp-es-{i}" for i in range(len(ES_GRID))]
+            + [f"hp-grpo-{i}" for i in range(len(GRPO_LRS))] + ["pilot-es", "pilot-grpo"]
+            + [f"{m}-s{s}" for s in SEEDS for m in ("es", "grpo")])
+
+
+def loaded(args: Args) -> dict[str, dict]:
+    return {f.stem: json.loads(f.read_text()) for f in sorted(Path(args.data).glob("*.json"))}
+
+
+def chosen(data: dict) -> tuple[tuple, tuple]:
+    """The search's settings: the highest validation accuracy after the last update (ties: the earlier one)."""
+    def best(method: str, grid: tuple) -> tuple:
+        scores = [data[f"hp-{method}-{i}"]["curves"]["eval/accuracy"][-1][1] for i in range(len(grid))]
+        return grid[int(np.argmax(scores))]  # argmax: the first of the ties
+
+    require(all(f"hp-{m}-{i}" in data for m, g in (("es", ES_GRID), ("grpo", GRPO_LRS)) for i in range(len(g))),
+            "the hyperparameter search is not complete in --data: run its lanes first")
+    return best("es", ES_GRID), (best("grpo", GRPO_LRS),)
+
+
+def horizon(data: dict) -> int:
+    """T from the pilot's GRPO curves (module docstring)."""
+    require("pilot-grpo" in data, "the pilot is not in --data: run lane pilot-grpo first")
+    run = data["pilot-grpo"]["curves"]
+    reward, entropy = (dict(map(tuple, run[key])) for key in ("train/reward_mean", "grpo/entropy"))
+    for t in (16, 32, 48, 64):
+        late, early = ([reward[u] for u in range(a, b)] for a, b in ((t - 7, t + 1), (t - 15, t - 7)))
+        if abs(np.mean(late) - np.mean(early)) <= 0.05 and np.mean([entropy[u] for u in range(t - 7, t + 1)]) < \
+                entropy[1] / 2:
+            return t
+    return 64
+
+
+def run_lane(args: Args, lane: str) -> None:
+    start, data = time.time(), loaded(args)
+    if lane.startswith("screen-"):
+        name = lane.removeprefix("screen-")
+        folder = make_data(args, name)
+        save_lane(args, lane, start, evals={"base": evaluation(evaluate(args, f"screen-{name}", args.model, folder,
+                                                                         32))})
+        return
+    folder, val_dir = make_data(args, TASK), Path(args.out) / "data" / "val"
+    if lane == "base":
+        save_lane(args, lane, start, evals={"base": evaluation(evaluate(args, "base", args.model, folder, 128))},
+                  entropy={"base": token_entropy(args, "base", args.model)})
+        return
+    method = "es" if "-es" in lane or lane.startswith("es-") else "grpo"
+    if lane.startswith("hp-"):
+        i = int(lane.rpartition("-")[2])
+        setting = ES_GRID[i] if method == "es" else (GRPO_LRS[i],)
+        run = train(args, method, lane, HP_UPDATES, val_dir, setting)
+        save_lane(args, lane, start, setting=setting, curves=curves(run))
+        return
+    settings = dict(zip(("es", "grpo"), chosen(data)))
+    if lane.startswith("pilot-"):
+        run = train(args, method, f"{method}-s0", PILOT_UPDATES, val_dir, settings[method])
+        entropy = {str(t): token_entropy(args, f"{lane}@{t}", str(run / "checkpoints" / f"step_{t:06d}"))
+                   for t in range(16, PILOT_UPDATES + 1, 16)}
+        save_lane(args, lane, start, setting=settings[method], curves=curves(run), entropy=entropy)
+        return
+    seed, updates = int(lane.rpartition("-s")[2]), horizon(data)
+    run = train(args, method, f"{method}-s{seed}", updates, val_dir, settings[method], seed=seed)
+    label, evals, entropy = f"{method}@{seed}", {}, {}
+    for t, n in ((updates // 2, 32), (updates, 128)):
+        checkpoint = str(run / "checkpoints" / f"step_{t:06d}")
+        evals[str(t)] = evaluation(evaluate(args, f"{label}-t{t}", checkpoint, folder, n))
+        entropy[str(t)] = token_entropy(args, f"{label}@{t}", checkpoint)
+    save_lane(args, lane, start, setting=settings[method], updates=updates, curves=curves(run), evals=evals,
+              entropy=entropy)
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def report_of(data: dict, step: Optional[str] = None) -> Optional[dict]:
+    """The final (step None: every seed at its T, n = 128, and the base) or the intermediate evaluations as one report
+    for bench/stats.py: {"task", "n", "ks", "results": {label: {"arith": per-problem data}}}."""
+    found = {"base": data["base"]["evals"]["base"] if step is None else data.get(f"screen-{TASK}", {}).get(
+        "evals", {}).get("base")}
+    for lane, d in data.items():
+        if lane.startswith(("es-s", "grpo-s")):
+            evals = d["evals"]
+            key = str(d["updates"]) if step is None else str(d["updates"] // 2)
+            found[lane.replace("-s", "@")] = evals[key]
+    found = {label: r for label, r in found.items() if r is not None}
+    if "base" not in found or len(found) < 2:
+        return None
+    n = found["base"]["n"]
+    require(all(r["n"] == n for r in found.values()), "evaluations with different n in one report")
+    return {"task": "arith", "n": n, "ks": found["base"]["ks"], "results": {k: {"arith": r} for k, r in found.items()}}
+
+
+def endpoints(final: dict) -> list[dict]:
+    """E1–E4 (module docstring): two-sided p = 2·min(one-sided p's), Holm over the four, verdict by the sign."""
+    k = f"pass@{final['ks'][-1]}"
+    rows = [seeded_row(f"E1 GRPO − base at {k}", final, "grpo", "base", k, None),
+            seeded_row(f"E2 ES − base at {k}", final, "es", "base", k, None),
+            seeded_row(f"E3 ES − GRPO at {k} (same seed)", final, "es", "grpo", k, None),
+            seeded_row("E4 ES − GRPO at pass@1 (same seed)", final, "es", "grpo", "pass@1", None)]
+    rows = [r for r in rows if r is not None]
+    family = [r for r in rows if "p" in r]
+    if family:
+        adjusted, levels = holm([min(1.0, 2 * min(r["p"], r["p_opp"])) for r in family], ALPHA)
+        for r, p_holm, level in zip(family, adjusted, levels):
+            r |= {"p2": min(1.0, 2 * min(r["p"], r["p_opp"])), "holm": float(p_holm),
+                  "mde": mde(r["sd"], r["units"], level / 2)}
+            r["verdict"] = (("above" if r["mean"] > 0 else "below") if p_holm <= ALPHA else
+                            f"undecided (MDE {100 * r['mde']:.1f} pt at 80 % power)")
+    return rows
+
+
+def coverage(final: dict) -> list[str]:
+    """At the largest k, seed by seed: which test problems each method solves at all (any of its n samples)."""
+    solved = {label: np.array(r["arith"]["correct_counts"]) > 0 for label, r in final["results"].items()}
+    base = solved["base"]
+    lines = ["| seed | both | ES only | GRPO only | neither | ES: gained / lost vs base | "
+             "GRPO: gained / lost vs base |", "|---|---|---|---|---|---|---|"]
+    for seed in sorted(set(seeds_of(final, "es")) & set(seeds_of(final, "grpo"))):
+        es, grpo = solved[f"es@{seed}"], solved[f"grpo@{seed}"]
+        lines.append(f"| {seed} | {(es & grpo).sum()} | {(es & ~grpo).sum()} | {(~es & grpo).sum()} | "
+                     f"{(~es & ~grpo).sum()} | {(es & ~base).sum()} / {(~es & base).sum()} | "
+                     f"{(grpo & ~base).sum()} / {(~grpo & base).sum()} |")
+    return lines + [f"| base | {base.sum()} solved of {len(base)} | | | | | |"]
+
+
+def passk_table(report: dict) -> list[str]:
+    """pass@k of the base and of each method (mean over seeds, 95 % seed-level t interval)."""
+    ks = report["ks"]
+    lines = ["| model | seeds | greedy | " + " | ".join(f"pass@{k}" for k in ks) + " |",
+             "|---|---|---" + "|---" * len(ks) + "|"]
+    base = per_problem(report["results"]["base"]["arith"], report["n"], ks).mean(0)
+    lines.append("| base | — | " + " | ".join(f"{100 * v:.1f}" for v in base) + " |")
+    for method in ("es", "grpo"):
+        labels = list(seeds_of(report, method).values())
+        if not labels:
+            continue
+        values = np.array([per_problem(report["results"][x]["arith"], report["n"], ks).mean(0) for x in labels])
+        if len(labels) > 1:
+            mean, lo, hi = 100 * seed_interval(values[:, None, :])
+            cells = [f"{m:.1f} [{a:.1f}, {b:.1f}]" for m, a, b in zip(mean, lo, hi)]
+        else:
+            cells = [f"{100 * v:.1f}" for v in values[0]]
+        lines.append(f"| {method.upper()} | {len(labels)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_passk(reports: dict[str, dict], file: Path) -> None:
+    """pass@k against k (log2) for the base, ES and GRPO (mean over seeds, thin lines each seed), one panel a report."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(reports), figsize=(5.5 * len(reports), 4), squeeze=False, layout="constrained")
+    for ax, (title, report) in zip(axes[0], reports.items()):
+        ks = report["ks"]
+        for (method, name), color in zip((("base", "base"), ("es", "ES"), ("grpo", "GRPO")), COLORS[2::-1]):
+            labels = ["base"] if method == "base" else list(seeds_of(report, method).values())
+            if not labels:
+                continue
+            values = 100 * np.array([per_problem(report["results"][x]["arith"], report["n"], ks)[:, 1:].mean(0)
+                                     for x in labels])
+            if len(labels) > 1:
+                ax.plot(ks, values.T, color=color, lw=0.6, alpha=0.5)
+            ax.plot(ks, values.mean(0), color=color, lw=2, marker="o", ms=3, label=f"{name} ({len(labels)})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.set(title=title, xlabel="k", ylabel="pass@k (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.savefig(file, dpi=120, metadata={"Software": None})
+    plt.close(fig)
+
+
+def write_report(args: Args) -> Path:
+    data, docs = loaded(args), Path(args.docs)
+    require(bool(data), f"{args.data} holds no lane yet: run the study first")
+    docs.mkdir(parents=True, exist_ok=True)
+    lines = ["# Regime study: ES and GRPO trained long on a multi-step task, pass@k to k = 128", "",
+             "Written by `python bench/regime.py --report` from docs/regime/data/ alone; the design and the rules are "
+             "bench/regime.py's docstring, committed before any trained model was evaluated.", ""]
+    screens = {lane.removeprefix("screen-"): d["evals"]["base"] for lane, d in data.items()
+               if lane.startswith("screen-")}
+    if screens:
+        lines += ["## Task screen (the base model, 100 test problems, n = 32)", "",
+                  "| candidate | task_data flags | greedy | pass@1 | pass@32 | mean tokens | chosen |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in screens.items():
+            v = per_problem(r, r["n"], r["ks"]).mean(0)
+            lines.append(f"| {name} | `{' '.join(CANDIDATES[name])}` | {100 * v[0]:.1f} | {100 * v[1]:.1f} | "
+                         f"{100 * v[-1]:.1f} | {r['response_tokens']:.1f} | {'yes' if name == TASK else ''} |")
+        lines.append("")
+    searched = {lane: d for lane, d in data.items() if lane.startswith("hp-")}
+    if searched:
+        lines += [f"## Hyperparameter search (seed 0, {HP_UPDATES} updates; greedy accuracy on the 100 validation "
+                  "problems)", "", "| lane | setting | accuracy by update |", "|---|---|---|"]
+        for lane, d in searched.items():
+            acc = ", ".join(f"{step}: {100 * v:.0f} %" for step, v in d["curves"].get("eval/accuracy", []))
+            lines.append(f"| {lane} | {d['setting']} | {acc} |")
+        lines.append("")
+    for lane in ("pilot-es", "pilot-grpo"):
+        if lane in data:
+            d = data[lane]
+            lines += [f"## {lane} (setting {d['setting']})", "",
+                      "| update | train reward (8 updates to it) | validation accuracy | entropy |",
+                      "|---|---|---|---|"]
+            c = {key: dict(map(tuple, v)) for key, v in d["curves"].items()}
+            for t in range(16, PILOT_UPDATES + 1, 16):
+                reward = np.mean([c["train/reward_mean"].get(u, math.nan) for u in range(t - 7, t + 1)])
+                lines.append(f"| {t} | {reward:.3f} | {100 * c.get('eval/accuracy', {}).get(t, math.nan):.0f} % | "
+                             f"{d['entropy'][str(t)]:.3f} |")
+            lines.append("")
+    if "pilot-grpo" in data:
+        lines += [f"T (the pilot's rule): {horizon(data)} updates.", ""]
+    final = report_of(data) if "base" in data else None
+    if final is not None:
+        rows = endpoints(final)
+        lines += ["## Endpoints", "", "| endpoint | mean [95 % seed-level t] | per seed | p (two-sided) | Holm p | "
+                  "verdict |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            interval = (f"{100 * r['mean']:+.1f} [{100 * r['ci'][0]:+.1f}, {100 * r['ci'][1]:+.1f}] pt" if "ci" in r
+                        else f"{100 * r['mean']:+.1f} pt")
+            lines.append(f"| {r['name']} | {interval} | " + ", ".join(f"{100 * m:+.1f}" for m in r["effects"])
+                         + " | " + (f"{p_text(r['p2'])} | {p_text(r['holm'])}" if "p2" in r else "— | —")
+                         + f" | {r['verdict']} |")
+        lines += ["", f"## pass@k at the final checkpoints (n = {final['n']}; the estimator has n ≥ 4k for k ≤ "
+                      f"{final['n'] // 4})", "", *passk_table(final), "", "## Coverage at k = "
+                      f"{final['ks'][-1]} (problems with any correct sample)", "", *coverage(final), ""]
+        middle = report_of(data, "middle")
+        reports = {f"final checkpoints (n = {final['n']})": final} | (
+            {f"θ at T/2 (n = {middle['n']})": middle} if middle else {})
+        if middle:
+            lines += [f"## pass@k at T/2 (n = {middle['n']})", "", *passk_table(middle), ""]
+        plot_passk(reports, docs / "passk.png")
+        lines += ["![pass@k against k](passk.png)", ""]
+    entropy = {lane: d["entropy"] for lane, d in data.items() if "entropy" in d}
+    if entropy:
+        lines += ["## Token entropy (nats; one measure for every model: module docstring)", "",
+                  "| lane | by update |", "|---|---|"]
+        lines += [f"| {lane} | " + ", ".join(f"{t}: {v:.3f}" for t, v in e.items()) + " |"
+                  for lane, e in entropy.items()]
+        lines.append("")
+    lines += ["## Cost (wall minutes of each lane, on the machine that ran it)", "", "| lane | minutes |", "|---|---|",
+              *[f"| {lane} | {d['seconds'] / 60:.0f} |" for lane, d in data.items()],
+              f"| total | {sum(d['seconds'] for d in data.values()) / 60:.0f} |"]
+    (docs / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return docs / "results.md"
+
+
+def main(args: Args) -> None:
+    known = lanes(args)
+    unknown = [lane for lane in args.lanes if lane not in known]
+    require(not unknown, f"--lanes: unknown {unknown}; the lanes are {', '.join(known)}")
+    if not args.report:
+        for lane in args.lanes or known:
+            if not lane_file(args, lane).exists():
+                print(f"[{time.strftime('%H:%M:%S')}] lane {lane}", flush=True)
+                run_lane(args, lane)
+    write_report(args)
+
+
+if __name__ == "__main__":
+    main(cli(Args))

@@ -1,0 +1,153 @@
+"""bench/regime.py: the rules written before the study's numbers (the search's choice, the pilot's horizon T, the four
+endpoints with Holm, the coverage table) against hand-computed values, and the report rebuilt from lane files written
+by hand (the study's lanes take hours; here they are files)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+import regime  # noqa: E402
+import stats  # noqa: E402
+from eval_passk import k_grid  # noqa: E402
+
+
+def evaluation(counts: list[int], n: int, greedy: list[int] | None = None) -> dict:
+    return {"label": "x", "n": n, "ks": k_grid(n), "greedy_correct": greedy or [0] * len(counts),
+            "correct_counts": counts, "response_tokens": 20.0}
+
+
+def curve(values: dict[int, float]) -> list[list[float]]:
+    return [[u, v] for u, v in sorted(values.items())]
+
+
+def pilot(reward: dict[int, float], entropy: dict[int, float]) -> dict:
+    return {"pilot-grpo": {"curves": {"train/reward_mean": curve(reward), "grpo/entropy": curve(entropy)}}}
+
+
+def test_the_horizon_is_the_first_plateau_with_a_collapsed_entropy() -> None:
+    """reward min(u, 20)/20: at T = 32 the 8 updates 25..32 average 1.0 and 17..24 average 154/160 = 0.9625, within
+    0.05; at T = 16 they average 100/160 and 36/160, not. Entropy 1 until update 24, then 0.2 < 1/2 over 25..32."""
+    reward = {u: min(u, 20) / 20 for u in range(1, 65)}
+    assert regime.horizon(pilot(reward, {u: 1.0 if u <= 24 else 0.2 for u in range(1, 65)})) == 32
+    assert regime.horizon(pilot(reward, {u: 1.0 if u <= 40 else 0.2 for u in range(1, 65)})) == 48
+    assert regime.horizon(pilot(reward, {u: 1.0 if u <= 8 else 0.2 for u in range(1, 65)})) == 32  # reward: not at 16
+    assert regime.horizon(pilot(reward, {u: 0.6 for u in range(1, 65)})) == 64  # never below half: the cap
+    flat = {u: 0.5 + 0.06 * (u > 8) for u in range(1, 65)}  # 0.06 apart at T = 16: no plateau there
+    assert regime.horizon(pilot(flat, {u: 1.0 if u <= 8 else 0.1 for u in range(1, 65)})) == 32
+    with pytest.raises(SystemExit, match="pilot"):
+        regime.horizon({})
+
+
+def test_the_search_takes_the_best_validation_accuracy_and_the_first_of_ties() -> None:
+    def lanes(es: list[float], grpo: list[float]) -> dict:
+        return {f"hp-{m}-{i}": {"curves": {"eval/accuracy": [[0, 0.1], [16, v]]}}
+                for m, values in (("es", es), ("grpo", grpo)) for i, v in enumerate(values)}
+
+    assert regime.chosen(lanes([0.2, 0.4, 0.3], [0.5, 0.5, 0.1])) == (regime.ES_GRID[1], (regime.GRPO_LRS[0],))
+    assert regime.chosen(lanes([0.2, 0.1, 0.3], [0.1, 0.5, 0.6])) == (regime.ES_GRID[2], (regime.GRPO_LRS[2],))
+    incomplete = lanes([0.2, 0.4, 0.3], [0.5, 0.5, 0.1])
+    del incomplete["hp-grpo-2"]
+    with pytest.raises(SystemExit, match="search is not complete"):
+        regime.chosen(incomplete)
+
+
+def final_report(es_solved: list[int], grpo_solved: list[int], base_solved: int, problems: int = 40) -> dict:
+    """Seed s of ES solves (c > 0 of n = 128) the first es_solved[s] problems, GRPO the first grpo_solved[s], the base
+    the first base_solved; pass@1 = c/128 with c = 64 on a solved problem."""
+    def ev(solved: int) -> dict:
+        return {"arith": evaluation([64 if x < solved else 0 for x in range(problems)], 128)}
+
+    results = {"base": ev(base_solved)} | {f"es@{s}": ev(v) for s, v in enumerate(es_solved)} | {
+        f"grpo@{s}": ev(v) for s, v in enumerate(grpo_solved)}
+    return {"task": "arith", "n": 128, "ks": k_grid(128), "results": results}
+
+
+def test_endpoints_are_two_sided_seed_level_t_tests_under_holm() -> None:
+    es, grpo = [30, 31, 29, 30, 32], [20, 22, 19, 21, 20]
+    rows = regime.endpoints(final_report(es, grpo, 25))
+    assert [r["name"][:2] for r in rows] == ["E1", "E2", "E3", "E4"]
+    effects = {"E1": np.array(grpo) / 40 - 25 / 40, "E2": np.array(es) / 40 - 25 / 40,
+               "E3": (np.array(es) - grpo) / 40, "E4": (np.array(es) - grpo) / 80}  # pass@1: half of each solved
+    p = {}
+    for name, d in effects.items():
+        t = d.mean() / (d.std(ddof=1) / math.sqrt(5))
+        p[name] = 2 * (1 - stats.t_cdf(abs(t), 4))  # two-sided, by hand
+    order = sorted(p, key=p.get)
+    holm = {name: min(1.0, max((4 - j) * p[order[j]] for j in range(i + 1))) for i, name in enumerate(order)}
+    for r in rows:
+        name = r["name"][:2]
+        assert r["mean"] == pytest.approx(effects[name].mean())
+        assert r["p2"] == pytest.approx(p[name], rel=1e-6, abs=1e-9)
+        assert r["holm"] == pytest.approx(holm[name], rel=1e-6, abs=1e-9)
+        assert r["verdict"] == ("below" if name == "E1" else "above")
+    noisy = regime.endpoints(final_report([26, 24, 27, 23, 25], grpo, 25))  # ES − base: mean 0, sd 1.58 problems
+    e2 = next(r for r in noisy if r["name"].startswith("E2"))
+    level = dict(zip([r["name"] for r in noisy], stats.holm([r["p2"] for r in noisy])[1]))[e2["name"]]
+    assert e2["verdict"].startswith("undecided (MDE") and e2["mde"] == pytest.approx(
+        stats.mde(e2["sd"], 5, level / 2))
+
+
+def test_coverage_counts_each_seeds_problems_by_brute_force() -> None:
+    report = final_report([30, 10], [20, 35], 25)
+    lines = regime.coverage(report)
+    # seed 0: ES solves 0..29, GRPO 0..19, base 0..24 → both 20, ES only 10, GRPO only 0, neither 10;
+    # ES gains 25..29 (5), loses none; GRPO gains none, loses 20..24 (5). Seed 1: ES 0..9, GRPO 0..34.
+    assert lines[2] == "| 0 | 20 | 10 | 0 | 10 | 5 / 0 | 0 / 5 |"
+    assert lines[3] == "| 1 | 10 | 0 | 25 | 5 | 0 / 15 | 10 / 0 |"
+    assert lines[-1].startswith("| base | 25 solved of 40")
+
+
+def lane_files(folder: Path) -> None:
+    """Every kind of lane, written by hand: a screen, the base, the search, the pilot, two seeds of each method."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    write = lambda lane, d: (folder / f"{lane}.json").write_text(json.dumps({"lane": lane, "seconds": 600} | d))  # noqa
+
+    def ev(n: int, p: float) -> dict:
+        return evaluation([int(c) for c in rng.binomial(n, p, 30)], n, [int(g) for g in rng.random(30) < p])
+
+    write(f"screen-{regime.TASK}", {"evals": {"base": ev(32, 0.05)}})
+    write("base", {"evals": {"base": ev(128, 0.05)}, "entropy": {"base": 1.2}})
+    for m, grid in (("es", regime.ES_GRID), ("grpo", regime.GRPO_LRS)):
+        for i, setting in enumerate(grid):
+            write(f"hp-{m}-{i}", {"setting": setting, "curves": {"eval/accuracy": [[0, 0.05], [16, 0.1 + i / 20]]}})
+    reward = curve({u: min(u, 20) / 20 for u in range(1, 65)})
+    write("pilot-es", {"setting": [5e-3, 5e-3], "curves": {"train/reward_mean": reward},
+                       "entropy": {str(t): 1.1 for t in (16, 32, 48, 64)}})
+    write("pilot-grpo", {"setting": [5e-5], "curves": {"train/reward_mean": reward, "grpo/entropy": curve(
+        {u: 1.0 if u <= 24 else 0.2 for u in range(1, 65)})}, "entropy": {str(t): 0.5 for t in (16, 32, 48, 64)}})
+    for seed in (0, 1):
+        for m, p in (("es", 0.08), ("grpo", 0.3)):
+            write(f"{m}-s{seed}", {"updates": 32, "setting": [1], "curves": {"train/reward_mean": reward[:32]},
+                                   "evals": {"16": ev(32, p), "32": ev(128, p)}, "entropy": {"16": 1.0, "32": 0.9}})
+
+
+def test_the_report_is_rebuilt_from_the_lane_files_alone(tmp_path: Path) -> None:
+    lane_files(tmp_path / "data")
+    args = regime.Args(report=True, data=str(tmp_path / "data"), docs=str(tmp_path / "docs"))
+    regime.main(args)
+    text = (tmp_path / "docs" / "results.md").read_text()
+    for part in ("## Task screen", "## Hyperparameter search", "T (the pilot's rule): 32 updates.", "## Endpoints",
+                 "E3 ES − GRPO at pass@128", "## Coverage at k = 128", "## pass@k at T/2 (n = 32)",
+                 "## Token entropy", "| total | 140 |"):
+        assert part in text, part
+    assert (tmp_path / "docs" / "passk.png").stat().st_size > 10_000
+    first = {f.name: f.read_bytes() for f in (tmp_path / "docs").iterdir()}
+    regime.main(args)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "docs").iterdir()} == first  # a rebuild: the same bytes
+
+
+def test_an_unknown_lane_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="unknown \\['es-s9'\\]"):
+        regime.main(regime.Args(out=str(tmp_path / "run"), lanes=("base", "es-s9"), data=str(tmp_path / "d")))
+    assert not (tmp_path / "run").exists()
