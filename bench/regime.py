@@ -152,23 +152,25 @@ def train(args: Args, method: str, label: str, updates: int, folder: Path, setti
     return run
 
 
-def token_entropy(args: Args, label: str, model: str) -> float:
+def token_entropy(args: Args, label: str, model: str, prompts_used: int = 32) -> float:
     """Mean entropy (nats) of the next-token distribution along 4 samples (temperature 1) of the first 32 validation
-    prompts: one measure for the base, ES and GRPO checkpoints alike (GRPO's own log sees only its rollouts)."""
+    prompts, computed as grpo.py computes its own (`completion_logprobs`): one measure for the base, ES and GRPO
+    checkpoints alike (GRPO's log sees only its own rollouts, ES logs none)."""
     import torch
+    from grpo import completion_logprobs, pad_batch
 
     policy = HFPolicy(model, batch_size=128)
-    problems = load_task("arith", "test", str(Path(args.out) / "data" / "val"))[:32]
+    problems = load_task("arith", "test", str(Path(args.out) / "data" / "val"))[:prompts_used]
     prompts = [render_prompt("arith", p, policy.tokenizer, True) for p in problems]
     samples = policy.generate(prompts, n=4, max_new_tokens=TOKENS, temperature=1.0, seed=0)
     encoded, total, count = policy.encode(prompts), 0.0, 0
-    with torch.no_grad():
-        for x in samples:
-            prompt = torch.tensor([encoded[x.prompt_index]])
-            ids = torch.cat([prompt, torch.tensor([x.token_ids])], 1)
-            logits = policy.model(ids).logits[0, prompt.shape[1] - 1:-1].float()
-            total += float(torch.distributions.Categorical(logits=logits).entropy().sum())
-            count += len(x.token_ids)
+    for start in range(0, len(samples), 32):  # 32 rows a forward: the (rows, C, V) logits stay small
+        chunk = samples[start:start + 32]
+        ids, mask, completion = pad_batch([encoded[x.prompt_index] for x in chunk], [x.token_ids for x in chunk],
+                                          policy.tokenizer.pad_token_id)
+        with torch.no_grad():
+            _, entropy = completion_logprobs(policy.model, ids, mask, completion.shape[1], 1.0)
+        total, count = total + float((entropy * completion).sum()), count + int(completion.sum())
     print(f"token entropy of {label}: {total / count:.3f} nats over {count} tokens", flush=True)
     return total / count
 

@@ -242,6 +242,12 @@ def test_chains_are_multi_step_and_keep_reordered_twins_on_one_side(tmp_path: Pa
     assert [p.question for p in train] == ["What is 4 - 1 + 2?"]
     with pytest.raises(SystemExit, match="cannot hold out exactly 4"):
         task_data.split_twins(twins, 4)
+    pair = lambda a, b: [common.Problem(f"What is {a}?", "0"), common.Problem(f"What is {b}?", "0")]  # noqa: E731
+    for a, b in (("5 + 6 - 7", "5 + 7 - 6"), ("2 * 3 + 1", "2 * 3 - 1"), ("2 * 3", "2 + 3")):  # not twins
+        assert [p.question for p in task_data.split_twins(pair(a, b), 1)[1]] == [f"What is {b}?"]
+    for a, b in (("2 * 3 + 1", "1 + 3 * 2"), ("2 * 3 * 4", "4 * 2 * 3"), ("9 - 1 - 2", "9 - 2 - 1")):  # twins
+        with pytest.raises(SystemExit, match="cannot hold out exactly 1"):
+            task_data.split_twins(pair(a, b), 1)
     out = tmp_path / "chains"
     task_data.main(task_data.Args(out=str(out), kind="chains", max_number=20, train=200, test=50, seed=1))
     rows = [json.loads(line) for line in (out / "test.jsonl").read_text().splitlines()]

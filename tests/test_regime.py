@@ -151,3 +151,30 @@ def test_an_unknown_lane_is_refused_before_anything_runs(tmp_path: Path) -> None
     with pytest.raises(SystemExit, match="unknown \\['es-s9'\\]"):
         regime.main(regime.Args(out=str(tmp_path / "run"), lanes=("base", "es-s9"), data=str(tmp_path / "d")))
     assert not (tmp_path / "run").exists()
+
+
+def test_token_entropy_equals_each_samples_own_forward(tmp_path: Path, tiny_model: str) -> None:
+    """The batched, left-padded measure against one unpadded forward per sample: H = −Σ p log p at every completion
+    position, averaged over all completion tokens."""
+    import torch
+
+    from common import HFPolicy, load_task, render_prompt
+
+    (tmp_path / "run" / "data" / "val").mkdir(parents=True)
+    (tmp_path / "run" / "data" / "val" / "test.jsonl").write_text("".join(
+        json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in ("What is 1 + 2 - 3?", "What is 12 - 3 + 4?",
+                                                                       "What is 7 + 1 + 20?")))
+    got = regime.token_entropy(regime.Args(out=str(tmp_path / "run")), "tiny", tiny_model, prompts_used=3)
+    policy = HFPolicy(tiny_model, batch_size=128)
+    prompts = [render_prompt("arith", p, policy.tokenizer, True)
+               for p in load_task("arith", "test", str(tmp_path / "run" / "data" / "val"))]
+    samples = policy.generate(prompts, n=4, max_new_tokens=regime.TOKENS, temperature=1.0, seed=0)
+    total, count = 0.0, 0
+    for x in samples:
+        prompt = policy.encode([prompts[x.prompt_index]])[0]
+        with torch.no_grad():
+            logits = policy.model(torch.tensor([prompt + x.token_ids])).logits[0, len(prompt) - 1:-1].double()
+        p = logits.softmax(-1)
+        total += float(-(p * p.log()).sum())
+        count += len(x.token_ids)
+    assert count > 12 and got == pytest.approx(total / count, rel=1e-4)
