@@ -76,7 +76,8 @@ ES_GRID = ((5e-3, 5e-3), (5e-3, 2.5e-3), (2.5e-3, 2.5e-3))  # (σ, α): the find
 GRPO_LRS = (2e-5, 1e-5, 5e-5)  # the findings study's first
 HP_UPDATES, PILOT_UPDATES, PROBLEMS, VALIDATION = 16, 64, 100, 100
 TOKENS, BATCH = 32, 256
-CURVE_KEYS = ("train/reward_mean", "eval/reward", "eval/accuracy", "grpo/entropy", "es/js_succ_bits")
+CURVE_KEYS = ("train/reward_mean", "eval/reward", "eval/accuracy", "grpo/entropy", "es/js_succ_bits",
+              "perf/tokens_per_s", "perf/rollout_s", "perf/iteration_s", "perf/step_s")  # perf/: the budget table
 
 
 @dataclass
@@ -246,7 +247,7 @@ def run_lane(args: Args, lane: str) -> None:
         save_lane(args, lane, start, evals={"base": evaluation(evaluate(args, "base", args.model, folder, 128))},
                   entropy={"base": token_entropy(args, "base", args.model)})
         return
-    method = "es" if "-es" in lane or lane.startswith("es-") else "grpo"
+    method = "grpo" if "grpo" in lane else "es"
     if lane.startswith("hp-"):
         i = int(lane.rpartition("-")[2])
         setting = ES_GRID[i] if method == "es" else (GRPO_LRS[i],)
@@ -372,6 +373,31 @@ def plot_passk(reports: dict[str, dict], file: Path) -> None:
     plt.close(fig)
 
 
+def budget(data: dict) -> list[str]:
+    """Budget parity, per method over every training lane: per update the sampled completions, the generated tokens
+    (tokens/s × rollout seconds, as the scripts log them), the passes, and the wall seconds."""
+    per: dict[str, list[tuple[float, float]]] = {}
+    for lane, d in data.items():
+        c = d.get("curves", {})
+        if "perf/rollout_s" in c:
+            method = "grpo" if "grpo" in lane else "es"
+            seconds = c.get("perf/iteration_s") or c.get("perf/step_s")
+            per.setdefault(method, []).extend((r[1] * t[1], w[1]) for r, t, w in zip(
+                c["perf/rollout_s"], c["perf/tokens_per_s"], seconds))
+    if not per:
+        return []
+    passes = {"es": "8 members × 8 prompts, generation only; no backward",
+              "grpo": "64 samples generated; 1 forward + backward over them (4 micro-batches of 16)"}
+    lines = ["## Budget per update (every training lane; wall time on the machine and load that ran it)", "",
+             "| method | updates | completions | generated tokens | passes | wall seconds |",
+             "|---|---|---|---|---|---|"]
+    for method, rows in per.items():
+        tokens, seconds = np.array(rows).T
+        lines.append(f"| {method.upper()} | {len(rows)} | 64 | {tokens.mean():.0f} | {passes[method]} | "
+                     f"{seconds.mean():.1f} |")
+    return lines + [""]
+
+
 def write_report(args: Args) -> Path:
     data, docs = loaded(args), Path(args.docs)
     require(bool(data), f"{args.data} holds no lane yet: run the study first")
@@ -440,6 +466,7 @@ def write_report(args: Args) -> Path:
         lines += [f"| {lane} | " + ", ".join(f"{t}: {v:.3f}" for t, v in e.items()) + " |"
                   for lane, e in entropy.items()]
         lines.append("")
+    lines += budget(data)
     lines += ["## Cost (wall minutes of each lane, on the machine that ran it)", "", "| lane | minutes |", "|---|---|",
               *[f"| {lane} | {d['seconds'] / 60:.0f} |" for lane, d in data.items()],
               f"| total | {sum(d['seconds'] for d in data.values()) / 60:.0f} |"]

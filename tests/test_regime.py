@@ -128,7 +128,9 @@ def lane_files(folder: Path) -> None:
         {u: 1.0 if u <= 24 else 0.2 for u in range(1, 65)})}, "entropy": {str(t): 0.5 for t in (16, 32, 48, 64)}})
     for seed in (0, 1):
         for m, p in (("es", 0.08), ("grpo", 0.3)):
-            write(f"{m}-s{seed}", {"updates": 32, "setting": [1], "curves": {"train/reward_mean": reward[:32]},
+            perf = {"perf/rollout_s": [[1, 2.0], [2, 4.0]], "perf/tokens_per_s": [[1, 100.0], [2, 50.0 * (1 + seed)]],
+                    "perf/iteration_s" if m == "es" else "perf/step_s": [[1, 10.0], [2, 20.0 + seed]]}
+            write(f"{m}-s{seed}", {"updates": 32, "setting": [1], "curves": {"train/reward_mean": reward[:32]} | perf,
                                    "evals": {"16": ev(32, p), "32": ev(128, p)}, "entropy": {"16": 1.0, "32": 0.9}})
 
 
@@ -139,7 +141,9 @@ def test_the_report_is_rebuilt_from_the_lane_files_alone(tmp_path: Path) -> None
     text = (tmp_path / "docs" / "results.md").read_text()
     for part in ("## Task screen", "## Hyperparameter search", "T (the pilot's rule): 32 updates.", "## Endpoints",
                  "E3 ES − GRPO at pass@128", "## Coverage at k = 128", "## pass@k at T/2 (n = 32)",
-                 "## Token entropy", "| total | 140 |"):
+                 "## Token entropy", "| total | 140 |",
+                 # tokens: 2·100, 4·50, 2·100, 4·100 → 250; seconds 10, 20, 10, 21 → 15.25
+                 "| ES | 4 | 64 | 250 | 8 members", "| GRPO | 4 | 64 | 250 | 64 samples", "| 15.2 |"):
         assert part in text, part
     assert (tmp_path / "docs" / "passk.png").stat().st_size > 10_000
     first = {f.name: f.read_bytes() for f in (tmp_path / "docs").iterdir()}
