@@ -99,9 +99,9 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------------- steps
-def task_flags(folder: str) -> list[str]:
-    return ["--model", "{model}", "--task", "arith", "--data", folder, "--chat-template", "--max-new-tokens",
-            str(TOKENS)]
+def flags(folder: Path) -> list[str]:
+    """The task as every script takes it."""
+    return ["--task", "arith", "--data", str(folder), "--chat-template", "--max-new-tokens", str(TOKENS)]
 
 
 def make_data(args: Args, name: str) -> Path:
@@ -122,15 +122,11 @@ def make_data(args: Args, name: str) -> Path:
     return out / name
 
 
-def flags(args: Args, folder: Path) -> list[str]:
-    return [f.replace("{model}", args.model) for f in task_flags(str(folder))]
-
-
 def evaluate(args: Args, name: str, model: str, folder: Path, n: int) -> Path:
     """eval_passk.py on one model: the first PROBLEMS test problems of `folder`, n samples each."""
     out = Path(args.out) / "eval" / name
     run_step(args, f"eval-{name}", out / "passk.json",
-             ["eval_passk.py", *flags(args, folder), "--models", f"{name}={model}", "--num-problems", str(PROBLEMS),
+             ["eval_passk.py", *flags(folder), "--models", f"{name}={model}", "--num-problems", str(PROBLEMS),
               "--n", str(n), "--seed", "0", "--batch-size", str(BATCH), "--out-dir", str(out)], partial=out)
     return out
 
@@ -139,7 +135,7 @@ def train(args: Args, method: str, label: str, updates: int, folder: Path, setti
     """es.py or grpo.py (resuming a killed run) for `updates` updates on data/val: the 900 training problems, the
     greedy evaluation every 8 updates on the 100 validation problems; a checkpoint every 16, all kept."""
     run = Path(args.out) / "runs" / label
-    common = [*flags(args, folder), "--seed", str(seed), "--out-dir", str(run), "--eval-every", "8",
+    common = ["--model", args.model, *flags(folder), "--seed", str(seed), "--out-dir", str(run), "--eval-every", "8",
               "--eval-prompts", str(VALIDATION), "--save-every", "16", "--keep-last", "8"]
     resume = ["--resume", str(run)] if (run / "args.json").exists() else []
     if method == "es":

@@ -182,3 +182,36 @@ def test_token_entropy_equals_each_samples_own_forward(tmp_path: Path, tiny_mode
         total += float(-(p * p.log()).sum())
         count += len(x.token_ids)
     assert count > 12 and got == pytest.approx(total / count, rel=1e-4)
+
+
+def test_every_lane_command_parses_and_matches_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lanes' subprocess commands, parsed by their scripts' own parsers and range checks (a lane that fails on a
+    flag fails an hour into a run otherwise); every update 64 completions (ES 8 × 8, GRPO 8 × 8), n = 128 at the end."""
+    import importlib.util
+
+    import harness
+    import tyro
+
+    captured: dict[str, list[str]] = {}
+    monkeypatch.setattr(regime, "run_step", lambda args, name, done, argv, partial=None: captured.update({name: argv}))
+    args = regime.Args(out=str(tmp_path / "run"))
+    regime.train(args, "es", "hp-es-0", 16, tmp_path / "val", regime.ES_GRID[0])
+    regime.train(args, "grpo", "grpo-s3", 32, tmp_path / "val", (regime.GRPO_LRS[0],), seed=3)
+    regime.evaluate(args, "base", args.model, tmp_path / "data", 128)
+    regime.make_data(args, "chains10")
+    parsed = {}
+    for name, argv in captured.items():
+        script = argv[0]
+        spec = importlib.util.spec_from_file_location(Path(script).stem + "_lane", ROOT / script)
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        monkeypatch.setattr(sys, "argv", argv)
+        parsed[name] = harness.cli(module.Args) if script != "bench/task_data.py" else tyro.cli(module.Args,
+                                                                                                args=argv[1:])
+        if hasattr(module, "check_args"):
+            module.check_args(parsed[name])
+    es, grpo, base = parsed["hp-es-0"], parsed["grpo-s3"], parsed["eval-base"]
+    assert es.pop * es.prompts_per_iter == grpo.prompts_per_step * grpo.group_size == 64
+    assert (es.iterations, es.seed, grpo.steps, grpo.seed, grpo.lr) == (16, 0, 32, 3, regime.GRPO_LRS[0])
+    assert (base.n, base.num_problems, base.batch_size, base.max_new_tokens) == (128, 100, 256, regime.TOKENS)
+    assert (parsed["data-chains10"].kind, parsed["data-chains10"].max_number) == ("chains", 10)
