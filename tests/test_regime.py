@@ -198,7 +198,7 @@ def test_every_lane_command_parses_and_matches_the_budget(tmp_path: Path, monkey
     regime.train(args, "es", "hp-es-0", 16, tmp_path / "val", regime.ES_GRID[0])
     regime.train(args, "grpo", "grpo-s3", 32, tmp_path / "val", (regime.GRPO_LRS[0],), seed=3)
     regime.evaluate(args, "base", args.model, tmp_path / "data", 128)
-    regime.make_data(args, "chains10")
+    regime.make_data(args, "chains20")
     parsed = {}
     for name, argv in captured.items():
         script = argv[0]
@@ -214,4 +214,20 @@ def test_every_lane_command_parses_and_matches_the_budget(tmp_path: Path, monkey
     assert es.pop * es.prompts_per_iter == grpo.prompts_per_step * grpo.group_size == 64
     assert (es.iterations, es.seed, grpo.steps, grpo.seed, grpo.lr) == (16, 0, 32, 3, regime.GRPO_LRS[0])
     assert (base.n, base.num_problems, base.batch_size, base.max_new_tokens) == (128, 100, 256, regime.TOKENS)
-    assert (parsed["data-chains10"].kind, parsed["data-chains10"].max_number) == ("chains", 10)
+    assert (parsed["data-chains20"].kind, parsed["data-chains20"].max_number) == ("chains", 20)
+
+
+def test_the_validation_split_comes_from_the_training_problems_with_twins_together(tmp_path: Path) -> None:
+    import task_data
+
+    args = regime.Args(out=str(tmp_path / "run"))
+    folder = regime.make_data(args, regime.TASK)  # runs bench/task_data.py
+    read = lambda f: [json.loads(line)["question"] for line in f.read_text().splitlines()]  # noqa: E731
+    train, val, test = read(folder.parent / "val" / "train.jsonl"), read(folder.parent / "val" / "test.jsonl"), read(
+        folder / "test.jsonl")
+    assert (len(train), len(val), len(test)) == (900, regime.VALIDATION, 300)
+    assert sorted(train + val) == sorted(read(folder / "train.jsonl")) and not set(val) & set(test)
+    twins = task_data.split_twins  # a validation problem's reordered twin is never trained on: hold both out again
+    held = {p.question for p in twins([regime.Problem(q, "0") for q in train + val], regime.VALIDATION)[1]}
+    assert held == set(val)
+    assert regime.make_data(args, regime.TASK) == folder and read(folder.parent / "val" / "test.jsonl") == val
