@@ -231,3 +231,11 @@ def test_the_validation_split_comes_from_the_training_problems_with_twins_togeth
     held = {p.question for p in twins([regime.Problem(q, "0") for q in train + val], regime.VALIDATION)[1]}
     assert held == set(val)
     assert regime.make_data(args, regime.TASK) == folder and read(folder.parent / "val" / "test.jsonl") == val
+
+
+def test_the_committed_report_rebuilds_from_the_committed_lanes(tmp_path: Path) -> None:
+    """docs/regime/results.md (and its plot, once there are trained models) is what --report makes of
+    docs/regime/data/ alone: a fresh clone rebuilds it, byte for byte."""
+    regime.main(regime.Args(report=True, data=str(ROOT / "docs" / "regime" / "data"), docs=str(tmp_path)))
+    for made in tmp_path.iterdir():
+        assert made.read_bytes() == (ROOT / "docs" / "regime" / made.name).read_bytes(), made.name
