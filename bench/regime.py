@@ -465,7 +465,8 @@ def write_report(args: Args) -> Path:
     lines += budget(data)
     lines += ["## Cost (wall minutes of each lane, on the machine that ran it)", "", "| lane | minutes |", "|---|---|",
               *[f"| {lane} | {d['seconds'] / 60:.0f} |" for lane, d in data.items()],
-              f"| total | {sum(d['seconds'] for d in data.values()) / 60:.0f} |"]
+              f"| total | {sum(d['seconds'] for d in data.values()) / 60:.0f} |", "",
+              "Lanes still to run: " + (", ".join(lane for lane in lanes(args) if lane not in data) or "none") + "."]
     (docs / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return docs / "results.md"

@@ -143,7 +143,8 @@ def test_the_report_is_rebuilt_from_the_lane_files_alone(tmp_path: Path) -> None
                  "E3 ES − GRPO at pass@128", "## Coverage at k = 128", "## pass@k at T/2 (n = 32)",
                  "## Token entropy", "| total | 140 |",
                  # tokens: 2·100, 4·50, 2·100, 4·100 → 250; seconds 10, 20, 10, 21 → 15.25
-                 "| ES | 4 | 64 | 250 | 8 members", "| GRPO | 4 | 64 | 250 | 64 samples", "| 15.2 |"):
+                 "| ES | 4 | 64 | 250 | 8 members", "| GRPO | 4 | 64 | 250 | 64 samples", "| 15.2 |",
+                 "Lanes still to run: screen-chains20, es-s2, grpo-s2, es-s3, grpo-s3, es-s4, grpo-s4."):
         assert part in text, part
     assert (tmp_path / "docs" / "passk.png").stat().st_size > 10_000
     first = {f.name: f.read_bytes() for f in (tmp_path / "docs").iterdir()}
