@@ -42,6 +42,23 @@ Design (written and committed before any trained model was evaluated):
               the estimator's 0/1 case; the report says for which k it has n ≥ 4k (k ≤ 32).
   coverage    at k = 128, seed by seed: test problems solved by both / ES only / GRPO only / neither, and what each
               method gained and lost against the base's solved set.
+  parity      per method and update: completions, generated tokens, passes, wall seconds (from the scripts' perf/ log).
+
+Planned sub-studies: their rules are fixed here, their lanes are not written yet (the lanes above already exceed the
+~10 hours of the 2-core machine that the study was given; each is about an hour more):
+  sparsity    ES's update is α/N·Σ z_n ε_n with population z-scores (Σ z_n² = N), so after T updates (skipped ones
+              not counted) a coordinate's change is N(0, s²), s = α·√(T/N), and |Δ| ≤ τ* = √2·erfinv(0.78)·s ≈ 1.227·s
+              holds for 78 % of them (the paper's share). ES θ_T of seeds 0–2: reset |Δ| ≤ τ* to θ₀, beside a control
+              that resets as many coordinates drawn uniformly (seeded); pass@1 and pass@32 at n = 32. Row: θ_τ* −
+              θ_random at pass@1, seed-level t, two-sided (the paper: the small changes carry little).
+  held out    ES and GRPO θ_T of every seed on products a·b ≤ 15 (n = 8), scored as correct among the samples with a
+              \boxed{} answer, so that learning the format cannot pass for no forgetting. Row: ES − GRPO, same seed.
+  diversity   ≥ 10 ES runs of seed 0 with (σ, N) varied on purpose (σ ∈ {2.5e-3, 5e-3, 1e-2} × N ∈ {4, 8, 16}, 64
+              completions an update), T updates each: Spearman ρ between the mean JS diversity and pass@32 (n = 32).
+  weight vs   the base's pass@k from n = 128 samples at temperature 0.6, against the greedy answers of k perturbed
+  token space models θ₀ + σ·ε_n (n = 1 … 128, low-rank members as es_lowrank.py draws them, σ = the chosen ES σ) on the
+              same 100 problems: does exploring in weight space reach problems that token sampling misses? Rows: the
+              two coverages at k = 128 and the problems each reaches alone.
 """
 
 from __future__ import annotations
