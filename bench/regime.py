@@ -53,8 +53,8 @@ Planned sub-studies: their rules are fixed here, their lanes are not written yet
               θ_random at pass@1, seed-level t, two-sided (the paper: the small changes carry little).
   held out    ES and GRPO θ_T of every seed on products a·b ≤ 15 (n = 8), scored as correct among the samples with a
               \boxed{} answer, so that learning the format cannot pass for no forgetting. Row: ES − GRPO, same seed.
-  diversity   ≥ 10 ES runs of seed 0 with (σ, N) varied on purpose (σ ∈ {2.5e-3, 5e-3, 1e-2} × N ∈ {4, 8, 16}, 64
-              completions an update), T updates each: Spearman ρ between the mean JS diversity and pass@32 (n = 32).
+  diversity   12 ES runs of seed 0 with (σ, N) varied on purpose (σ ∈ {1.25e-3, 2.5e-3, 5e-3, 1e-2} × N ∈ {4, 8, 16},
+              64 completions an update), T updates each: Spearman ρ between the mean JS diversity and pass@32 (n = 32).
   weight vs   the base's pass@k from n = 128 samples at temperature 0.6, against the greedy answers of k perturbed
   token space models θ₀ + σ·ε_n (n = 1 … 128, low-rank members as es_lowrank.py draws them, σ = the chosen ES σ) on the
               same 100 problems: does exploring in weight space reach problems that token sampling misses? Rows: the
