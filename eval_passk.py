@@ -404,15 +404,14 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, file: Path) -> None:
     """pass@k vs k on a log2 axis: one panel per task, one line (and 95% band) per row (as in Yue et al. 2025)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure  # not pyplot: no display, no global state
 
     first, ks = next(iter(report["results"].values())), report["ks"]
-    fig, axes = plt.subplots(1, len(first), figsize=(4.5 * len(first) + 1.5, 3.6), squeeze=False, layout="constrained")
+    fig = Figure(figsize=(4.5 * len(first) + 1.5, 3.6), layout="constrained")
+    axes = fig.subplots(1, len(first), squeeze=False)
     for ax, task in zip(axes[0], first):
-        ax.set_prop_cycle(color=plt.get_cmap("tab10" if len(report["uncertainty"]["rows"]) <= 10 else "tab20").colors)
+        ax.set_prop_cycle(color=colormaps["tab10" if len(report["uncertainty"]["rows"]) <= 10 else "tab20"].colors)
         for label, row in report["uncertainty"]["rows"].items():
             curve = np.array([[row[task][f"pass@{k}"]["mean"], *row[task][f"pass@{k}"]["ci"]] for k in ks]).T  # (3, K)
             (line,) = ax.plot(ks, 100 * curve[0], marker="o", label=label, ls="--" if label.endswith("@*") else "-")
@@ -424,7 +423,6 @@ def plot(report: dict, file: Path) -> None:
         ax.grid(alpha=0.3)
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)  # off the data
     fig.savefig(file, dpi=120)
-    plt.close(fig)
 
 
 def main(args: Args) -> Path:

@@ -317,14 +317,12 @@ def load_curves(run: Path, keys: Sequence[str]) -> dict[str, list[tuple[int, flo
 def plot_curves(runs: dict[str, Path], file: Path, panels: Sequence[tuple[str, str]] = CURVES,
                 ) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """One PNG, a panel per (metric, title) that any run logged, a colour per run; returns the curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: no display, no global state
 
     curves = {label: load_curves(run, [key for key, _ in panels]) for label, run in runs.items()}
     panels = [(key, name) for key, name in panels if any(c[key] for c in curves.values())]
-    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.2 * max(len(panels), 1), 3.4), squeeze=False)
+    fig = Figure(figsize=(4.2 * max(len(panels), 1), 3.4), layout="tight")
+    axes = fig.subplots(1, max(len(panels), 1), squeeze=False)
     for i, (label, run_curves) in enumerate(curves.items()):
         for ax, (key, name) in zip(axes[0], panels):
             if run_curves[key]:
@@ -333,9 +331,7 @@ def plot_curves(runs: dict[str, Path], file: Path, panels: Sequence[tuple[str, s
             ax.grid(alpha=0.3)
     if len(runs) > 1:
         axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(file, dpi=110)
-    plt.close(fig)
     return curves
 
 
