@@ -74,7 +74,7 @@ from typing import Optional
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import HFPolicy, Problem, die, load_task, render_prompt, require  # noqa: E402
+from common import HFPolicy, Problem, die, load_task, render_prompt, require, write_atomic  # noqa: E402
 from harness import cli, load_curves  # noqa: E402
 from eval_passk import per_problem, seed_interval  # noqa: E402
 
@@ -133,9 +133,13 @@ def make_data(args: Args, name: str) -> Path:
         train, val = split_twins(problems, VALIDATION)
         lines = lambda ps: "".join(json.dumps({"question": p.question, "answer": f"#### {p.answer}"}) + "\n"  # noqa
                                    for p in ps)
-        (out / "val").mkdir()
-        (out / "val" / "train.jsonl").write_text(lines(train))
-        (out / "val" / "test.jsonl").write_text(lines(val))
+
+        def fill(tmp: Path) -> None:
+            tmp.mkdir()
+            (tmp / "train.jsonl").write_text(lines(train))
+            (tmp / "test.jsonl").write_text(lines(val))
+
+        write_atomic(out / "val", fill)  # a kill leaves no half folder that the check above would take as done
     return out / name
 
 
@@ -205,7 +209,8 @@ def evaluation(folder: Path) -> dict:
 
 def save_lane(args: Args, lane: str, start: float, **parts: dict) -> None:
     Path(args.data).mkdir(parents=True, exist_ok=True)
-    write_json(lane_file(args, lane), {"lane": lane, "seconds": round(time.time() - start), **parts})
+    lane_data = {"lane": lane, "seconds": round(time.time() - start), **parts}
+    write_atomic(lane_file(args, lane), lambda tmp: write_json(tmp, lane_data))  # a cut file would skip the lane
     print(f"lane {lane} done in {(time.time() - start) / 60:.0f} min: {lane_file(args, lane)} (commit it)", flush=True)
 
 
