@@ -74,7 +74,7 @@ from typing import Optional
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import HFPolicy, Problem, die, load_task, render_prompt, require, write_atomic  # noqa: E402
+from common import HFPolicy, Problem, load_task, render_prompt, require, write_atomic  # noqa: E402
 from harness import cli, load_curves  # noqa: E402
 from eval_passk import per_problem, seed_interval  # noqa: E402
 
