@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence, TypeVar
@@ -24,9 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import common
-from common import (HFPolicy, Problem, Task, VLLMPolicy, derive_seed, meta_params, render_prompt, require, score,
-                    torchrun_world, write_atomic)
+from common import derive_seed, meta_params, require, torchrun_world, write_atomic
 
 ArgsT = TypeVar("ArgsT")
 
@@ -60,8 +59,7 @@ def check_run_dir(out_dir: str, resume: Optional[str], resumable: bool = True) -
 
 def require_min(args: Any, minimum: float, *flags: str) -> None:
     """Every named flag (unless None) ≥ minimum, each refused in one line."""
-    for flag in flags:
-        value = getattr(args, flag)
+    for flag, value in ((flag, getattr(args, flag)) for flag in flags):
         require(value is None or value >= minimum, f"--{flag.replace('_', '-')} must be ≥ {minimum}, got {value}")
 
 
@@ -69,9 +67,8 @@ def require_min(args: Any, minimum: float, *flags: str) -> None:
 def plan(seed: int, n: int, size: int, updates: Optional[int], epochs: int, order: Literal["epoch", "random"],
          ) -> tuple[int, int, Callable[[int], np.ndarray]]:
     """(T, updates per epoch, batch): T = `updates`, else `epochs` passes of ⌈n / size⌉ updates; batch(t): the problems
-    (indices) of update t (0-based). epoch ([ES-LLM] artifact): each epoch a fresh permutation of the n problems from
-    the run seed, cut into batches of `size` (the last one shorter); random: every update draws `size` problems without
-    replacement, independently (no epochs: its one "epoch" is the whole run)."""
+    of update t (0-based). epoch ([ES-LLM] artifact): each epoch a fresh permutation of the n problems (run seed) cut
+    into batches of `size`, the last one shorter; random: each update draws `size` without replacement (no epochs)."""
     per_epoch = -(-n // size)
     total = updates or epochs * per_epoch
 
@@ -85,35 +82,20 @@ def plan(seed: int, n: int, size: int, updates: Optional[int], epochs: int, orde
 
 
 # ---------------------------------------------------------------------------------------------------- run
-def evaluate_greedy(engine: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem], max_new_tokens: int,
-                    chat_template: bool, desc: str = "eval") -> dict[str, float]:
-    """Greedy reward and accuracy of the engine's weights on held-out problems (the same protocol in every script)."""
-    prompts = [render_prompt(task, p, engine.tokenizer, chat_template) for p in problems]
-    scored, timeouts = [], common.verify_timeouts
-    for start in tqdm(range(0, len(prompts), engine.batch_size), desc=desc, unit="batch", leave=False):
-        chunk = engine.generate(prompts[start:start + engine.batch_size], max_new_tokens=max_new_tokens)
-        scored += [score(task, problems[start + x.prompt_index], x.text) for x in chunk]
-    row = {"eval/reward": float(np.mean([r for r, _ in scored])), "eval/accuracy": float(np.mean([c for _, c in scored]))}
-    if task in ("gsm8k", "math500"):  # verdicts by math-verify: how many ran out of time (common.VERIFY_TIMEOUT_S)
-        row["eval/verify_timeouts"] = common.verify_timeouts - timeouts
-    return row
-
-
 _held: Optional[list[int]] = None  # signals caught inside `held_interrupts`, None outside it
 _stopped_by = [signal.SIGINT]  # the signal that stopped the run: its exit status is 128 + its number
 
 
-def _on_signal(number: int, _: Any) -> None:
-    _stopped_by[0] = number
-    if _held is None:
-        raise KeyboardInterrupt  # SIGTERM (a scheduler's preemption) ends a run as Ctrl-C does
-    _held.append(number)
-
-
 def catch_signals() -> None:
     """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread, or wait for the end of `held_interrupts`."""
+    def on_signal(number: int, _: Any) -> None:
+        _stopped_by[0] = number
+        if _held is None:
+            raise KeyboardInterrupt  # SIGTERM (a scheduler's preemption) ends a run as Ctrl-C does
+        _held.append(number)
+
     for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, _on_signal)
+        signal.signal(s, on_signal)
 
 
 @contextlib.contextmanager
@@ -154,12 +136,11 @@ def write_args(folder: Path, config: Any, start: int = 0, tracker: Optional[str]
 
 
 class Run:
-    """A run directory: args.json, metrics.jsonl (rows keyed by "step"; step 0 is the start model), curves.png,
-    checkpoints/step_XXXXXX (`from_pretrained` folders + state.json); with `tracker`, TensorBoard or W&B. Of `total`
-    updates: an evaluation every `eval_every` (and of the first and last θ); a checkpoint every `save_every`, at every
-    epoch's end (`per_epoch` updates) and the end, those kept for good, the others only the newest `keep_last`. With
-    `resume`: the last complete checkpoint (`checkpoint`, `start`; none: 0), and the rows and tracker events after it
-    dropped, so the log reads as one run whatever stopped the last one. Ranks > 0 write nothing."""
+    """A run directory: args.json, metrics.jsonl (rows keyed by "step"; step 0: the start model), curves.png,
+    checkpoints/step_XXXXXX (`from_pretrained` folders + state.json), TensorBoard or W&B. Of `total` updates: an
+    evaluation every `eval_every` (and of the first and last θ); a checkpoint every `save_every`, at epoch ends and the
+    end (kept for good; the others only the newest `keep_last`). With `resume`: the last complete checkpoint
+    (`checkpoint`, `start`; none: 0), the rows and tracker events after it dropped. Ranks > 0 write nothing."""
 
     def __init__(self, out_dir: str, config: Any, resume: bool, total: int = 0, per_epoch: int = 0,
                  eval_every: int = 0, save_every: int = 0, keep_last: int = 2,
@@ -184,7 +165,22 @@ class Run:
                 if self.checkpoint and row["step"] <= self.start:
                     self.rows.append(row)
         write_atomic(metrics, lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows)))
-        self.track = _tracker(tracker, self.dir, info, self.start) if tracker else None
+        if tracker == "wandb":  # as [Qiu] logs, imported only when asked for: a resume continues the run of its id
+            import wandb
+
+            wandb.init(dir=str(self.dir), name=self.dir.name, config=info["args"], id=info["wandb_id"], resume="allow")
+            self.track = lambda row, step: wandb.log(row, step=step)
+        elif tracker:  # TensorBoard, as the [ES-LLM] artifact logs: a resume purges the events after its checkpoint
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(str(self.dir / "tensorboard"), purge_step=self.start + 1 if self.start else None)
+
+            def track(row: dict[str, float], step: int) -> None:
+                for key, value in row.items():
+                    writer.add_scalar(key, value, step)
+                writer.flush()
+
+            self.track = track
 
     def log(self, row: dict[str, Any]) -> None:
         """Append a row ({"step": …, metrics}) to metrics.jsonl and the tracker."""
@@ -204,8 +200,9 @@ class Run:
         """What the run will do, and its disk use: epoch ends and the final checkpoint, + the newest keep_last."""
         kept = len(set(range(self.per_epoch, self.total + 1, self.per_epoch)) | {self.total}) + self.keep_last
         if self.writes:
-            tqdm.write(f"{line}\ncheckpoints: {_size(bytes_each)} each, at most {kept} kept ({_size(kept * bytes_each)})"
-                       f": every epoch's end, the final one and the newest {self.keep_last} (--keep-last)")
+            tqdm.write(f"{line}\ncheckpoints: {_size(bytes_each)} each, at most {kept} kept ("
+                       f"{_size(kept * bytes_each)}): every epoch's end, the final one and the newest {self.keep_last} "
+                       "(--keep-last)")
 
     def say_eta(self, step: int, seconds: list[float], unit: str) -> None:
         """After an update of this invocation: how long the rest will take, from the mean of its updates so far (a
@@ -240,7 +237,7 @@ class Run:
             write_atomic(state, lambda tmp: tmp.write_text(json.dumps({"step": step, "permanent": True})))
         states = sorted((self.dir / "checkpoints").glob("step_*/state.json"))
         prunable = [s.parent for s in states if not json.loads(s.read_text()).get("permanent")]
-        for old in prunable[:-self.keep_last]:
+        for old in prunable[:len(prunable) - self.keep_last]:  # not [:-keep_last]: -0 would keep them all
             trash = old.with_name(f".trash-{old.name}")
             os.replace(old, trash)  # a kill mid-delete leaves no half checkpoint under a step_* name
             shutil.rmtree(trash)
@@ -254,8 +251,8 @@ class Run:
 
     def interrupted(self, step: int, write: Callable[[Path], None], panels: Sequence[tuple[str, str]]) -> NoReturn:
         """End a run stopped by Ctrl-C or SIGTERM: curves.png, a checkpoint of the last finished update (whatever
-        save_every says: seconds of writing against hours of updates), one line, exit status 128 + the signal's
-        number (130 for Ctrl-C, 143 for SIGTERM). `write` must save θ, not a perturbed member."""
+        save_every says), one line, exit status 128 + the signal (130: Ctrl-C, 143: SIGTERM). `write` saves θ, never a
+        perturbed member."""
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)  # a second signal must not cut the checkpoint short
         if self.writes:  # curves.png, and the checkpoint unless no update finished
@@ -269,26 +266,6 @@ class Run:
 def _size(n: float) -> str:
     i = min(int(math.log10(max(n, 1)) // 3), 3)  # B, kB, MB, GB
     return f"{n / 1000**i:.1f} {('B', 'kB', 'MB', 'GB')[i]}"
-
-
-def _tracker(kind: str, run: Path, info: dict[str, Any], start: int) -> Callable[[dict[str, float], int], None]:
-    """TensorBoard (run/tensorboard, as the [ES-LLM] artifact logs) or W&B (as [Qiu]), imported only when asked for.
-    A resume continues the same W&B run (its id in args.json, `info`) and purges TensorBoard's events after `start`."""
-    if kind == "wandb":
-        import wandb
-
-        wandb.init(dir=str(run), name=run.name, config=info["args"], id=info["wandb_id"], resume="allow")
-        return lambda row, step: wandb.log(row, step=step)
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(run / "tensorboard"), purge_step=start + 1 if start else None)
-
-    def track(row: dict[str, float], step: int) -> None:
-        for key, value in row.items():
-            writer.add_scalar(key, value, step)
-        writer.flush()
-
-    return track
 
 
 CURVES = (("train/reward_mean", "train reward"), ("eval/reward", "held-out reward (greedy)"),
@@ -340,8 +317,8 @@ def init_distributed(timeout_min: float = 120) -> tuple[int, int]:
 
 def single_process(script: str) -> None:
     """Refuse torchrun for a script that runs one process: every rank would take GPU 0 and write one run dir."""
-    world = torchrun_world()
-    require(world == 1, f"{script} runs in one process (WORLD_SIZE is {world}): start it with python, not torchrun")
+    require(torchrun_world() == 1, f"{script} runs in one process (WORLD_SIZE is {torchrun_world()}): start it with "
+            "python, not torchrun")
 
 
 CUDA_CONTEXT = 2**30
@@ -356,11 +333,10 @@ def es_memory(path: str, dtype: torch.dtype, master_device: Optional[str]) -> di
     brought over; vLLM 0.32's reload_weights materializing one fused module); the CUDA context."""
     params = meta_params(path)
     largest = max(p.numel() for p in params.values())
-    fused: dict[str, int] = {}  # vLLM's modules: qkv_proj and gate_up_proj hold two or three HF tensors
+    fused: Counter[str] = Counter()  # vLLM's modules: qkv_proj and gate_up_proj hold two or three HF tensors
     for name, p in params.items():
         module = re.sub(r"\.(q|k|v)_proj\.", ".qkv_proj.", re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name))
-        module = module.rsplit(".", 1)[0]
-        fused[module] = fused.get(module, 0) + p.numel()
+        fused[module.rsplit(".", 1)[0]] += p.numel()
     n, size, on_gpu = sum(p.numel() for p in params.values()), dtype.itemsize, master_device != "cpu"
     items = {"staged θ": n * size, "fp32 master": 4 * n * on_gpu, "θ₀": n * size * on_gpu, "fp32 scratch": 8 * largest,
              "master copy transient": 4 * largest * (not on_gpu), "vLLM reload transient": size * max(fused.values()),

@@ -71,7 +71,7 @@ from typing import Callable, Literal, Optional
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import derive_seed, die, require  # noqa: E402
+from common import die, require  # noqa: E402
 from harness import cli, load_curves  # noqa: E402
 from eval_passk import markdown, parse_models, seed_interval, uncertainty  # noqa: E402
 

@@ -203,7 +203,7 @@ def test_sums_keep_commuted_twins_on_one_side_of_the_split(tmp_path: Path) -> No
     train, test = task_data.split_twins(problems, 100)
     assert len(test) == 100 and sorted(map(str, train + test)) == sorted(map(str, problems))
 
-    def twin(p: Problem) -> str:
+    def twin(p: common.Problem) -> str:
         a, op, b = p.question[8:-1].split()
         return f"What is {b} {op} {a}?" if op == "+" else p.question
 

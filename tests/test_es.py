@@ -17,7 +17,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import common
 import harness  # noqa: E402
 import es
 from common import HFPolicy, Master, noise

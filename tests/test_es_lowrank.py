@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import common
 import harness  # noqa: E402
 import es
 import es_lowrank as lr

@@ -18,7 +18,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-import common  # noqa: E402
 import harness  # noqa: E402
 import gpu_check  # noqa: E402
 

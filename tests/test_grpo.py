@@ -21,7 +21,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import common
 import harness  # noqa: E402
 import grpo
 from common import HFPolicy, Sample, resolve_dtype

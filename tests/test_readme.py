@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import common
 import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
