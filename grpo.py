@@ -60,10 +60,9 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from common import (EMBEDDED_MODEL, HFPolicy, Sample, Task, VLLMPolicy, derive_seed, die, load_task, render_prompt,
-                    require, resolve_dtype, resolve_model, score, sync_weights)
-from harness import (CURVES, Run, check_run_dir, cli, evaluate_greedy, held_interrupts, plan, require_min,
-                     single_process)
+from common import (EMBEDDED_MODEL, HFPolicy, Sample, Task, VLLMPolicy, derive_seed, die, evaluate_greedy, load_task,
+                    render_prompt, require, resolve_dtype, resolve_model, score, sync_weights)
+from harness import CURVES, Run, check_run_dir, cli, held_interrupts, plan, require_min, single_process
 
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 

@@ -575,6 +575,25 @@ def test_arith_task_is_generated_disjoint_and_scored_like_gsm8k() -> None:
     assert render_prompt("arith", p) == f"{example}Q: {p.question}\nA:"
 
 
+def test_evaluate_greedy_scores_each_problem_once_across_batches() -> None:
+    """Five problems in batches of 2 (the engine answers each prompt of a batch in reverse order): each completion is
+    scored against its own problem, rewards and accuracy are the means by hand."""
+    problems = [Problem(f"What is {a} + 1?", str(a + 1)) for a in range(5)]
+    answers = {0: "\\boxed{1}", 1: "\\boxed{9}", 2: "2 + 1 = 3", 3: "none", 4: "\\boxed{5}"}  # 1, .1, 0, 0, 1
+
+    class Engine:
+        tokenizer, batch_size, calls = None, 2, []
+
+        def generate(self, prompts: list[str], max_new_tokens: int) -> list[common.Sample]:
+            self.calls.append(len(prompts))
+            found = [int(re.findall(r"What is (\d+)", prompt)[-1]) for prompt in prompts]
+            return [common.Sample(i, answers[found[i]], []) for i in reversed(range(len(prompts)))]
+
+    engine = Engine()
+    row = common.evaluate_greedy(engine, "arith", problems, 8, chat_template=False)
+    assert engine.calls == [2, 2, 1] and row == {"eval/reward": pytest.approx(2.1 / 5), "eval/accuracy": 3 / 5}
+
+
 def test_schedule_epochs_are_permutations_and_random_is_per_update() -> None:
     """epoch order: each epoch's batches (contiguous, the last shorter) cover every problem exactly once, a fresh
     shuffle per epoch; random order: independent draws without replacement."""

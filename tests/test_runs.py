@@ -17,7 +17,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import common
 import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -393,6 +392,10 @@ def test_the_schedule_of_evaluations_and_checkpoints(tmp_path: Path) -> None:
     for step in range(1, 9):
         random.save_due(step, lambda folder: None)
     assert [p.name for p in (random.dir / "checkpoints").iterdir()] == ["step_000008"]
+    none = harness.Run(str(tmp_path / "none"), Config(), False, total=8, per_epoch=4, save_every=1, keep_last=0)
+    for step in range(1, 9):  # --keep-last 0: only the epoch ends and the end stay (a [:-0] slice kept every one)
+        none.save_due(step, lambda folder: None)
+    assert sorted(p.name for p in (none.dir / "checkpoints").iterdir()) == ["step_000004", "step_000008"]
 
 
 def last_line(result: subprocess.CompletedProcess) -> str:
