@@ -44,17 +44,20 @@ Design (written and committed before any trained model was evaluated):
               method gained and lost against the base's solved set.
   parity      per method and update: completions, generated tokens, passes, wall seconds (from the scripts' perf/ log).
 
-Planned sub-studies: their rules are fixed here, their lanes are not written yet (the lanes above already exceed the
-~10 hours of the 2-core machine that the study was given; each is about an hour more):
+Sub-studies, their rules fixed here before any of their numbers; their lanes run after the seeds: weights, heldout
+and sparsity (about 35, 30 and 50 minutes on 2 cores), diversity-0 … diversity-11 (about 35 minutes each at T = 32):
   sparsity    ES's update is α/N·Σ z_n ε_n with population z-scores (Σ z_n² = N), so after T updates (skipped ones
               not counted) a coordinate's change is N(0, s²), s = α·√(T/N), and |Δ| ≤ τ* = √2·erfinv(0.78)·s ≈ 1.227·s
               holds for 78 % of them (the paper's share). ES θ_T of seeds 0–2: reset |Δ| ≤ τ* to θ₀, beside a control
               that resets as many coordinates drawn uniformly (seeded); pass@1 and pass@32 at n = 32. Row: θ_τ* −
               θ_random at pass@1, seed-level t, two-sided (the paper: the small changes carry little).
-  held out    ES and GRPO θ_T of every seed on products a·b ≤ 15 (n = 8), scored as correct among the samples with a
+  held out    ES and GRPO θ_T of every seed on "What is a * b?", a, b ≤ 15 (PRODUCTS, the findings study's; n = 8,
+              the first 100 test problems), scored as correct among the samples with a
               \boxed{} answer, so that learning the format cannot pass for no forgetting. Row: ES − GRPO, same seed.
   diversity   12 ES runs of seed 0 with (σ, N) varied on purpose (σ ∈ {1.25e-3, 2.5e-3, 5e-3, 1e-2} × N ∈ {4, 8, 16},
-              64 completions an update), T updates each: Spearman ρ between the mean JS diversity and pass@32 (n = 32).
+              64 completions an update: 64/N prompts; α the chosen one; the chosen σ at N = 8 is lane es-s0's run), T
+              updates each: Spearman ρ between the mean JS diversity over the T updates and pass@32 of θ_T (n = 32),
+              one-sided permutation p at α = 0.05 ([ES-LLM]'s claim: more diversity, higher pass@k).
   weight vs   the base's pass@k from n = 128 samples at temperature 0.6, against the greedy answers of k perturbed
   token space models θ₀ + σ·ε_n (n = 1 … 128, low-rank members as es_lowrank.py draws them, σ = the chosen ES σ) on the
               same 100 problems: does exploring in weight space reach problems that token sampling misses? Rows: the
@@ -76,9 +79,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import HFPolicy, Problem, load_task, render_prompt, require, write_atomic  # noqa: E402
 from harness import cli, load_curves  # noqa: E402
-from eval_passk import per_problem, seed_interval  # noqa: E402
+from eval_passk import per_problem, seed_interval, t_quantile  # noqa: E402
 
-from stats import ALPHA, holm, mde, seeded_row, seeds_of  # noqa: E402
+from stats import ALPHA, holm, mde, seeded_row, seeds_of, spearman, t_test  # noqa: E402
 from study import COLORS, p_text, run_step, write_json  # noqa: E402
 from task_data import split_twins  # noqa: E402
 
@@ -90,9 +93,13 @@ CANDIDATES = {  # task_data.py flags of the screened tasks (all --kind chains --
 TASK = "chains10"
 SEEDS = (0, 1, 2, 3, 4)
 ES_GRID = ((5e-3, 5e-3), (5e-3, 2.5e-3), (2.5e-3, 2.5e-3))  # (σ, α): the findings study's first
+ES_POP = 8
 GRPO_LRS = (2e-5, 1e-5, 5e-5)  # the findings study's first
 HP_UPDATES, PILOT_UPDATES, PROBLEMS, VALIDATION = 16, 64, 100, 100
 TOKENS, BATCH = 32, 256
+RESET_SHARE, SPARSITY_SEEDS, MEMBERS, HELDOUT_N = 0.78, (0, 1, 2), 128, 8  # sub-studies (module docstring)
+DIVERSITY = tuple((sigma, pop) for pop in (4, 8, 16) for sigma in (1.25e-3, 2.5e-3, 5e-3, 1e-2))
+PRODUCTS = ["--kind", "sums", "--seed", "1", "--ops", "*", "--max-number", "15", "--train", "25", "--test", "200"]
 CURVE_KEYS = ("train/reward_mean", "eval/reward", "eval/accuracy", "grpo/entropy", "es/js_succ_bits",
               "perf/tokens_per_s", "perf/rollout_s", "perf/iteration_s", "perf/step_s")  # perf/: the budget table
 
@@ -152,7 +159,8 @@ def evaluate(args: Args, name: str, model: str, folder: Path, n: int) -> Path:
     return out
 
 
-def train(args: Args, method: str, label: str, updates: int, folder: Path, setting: tuple, seed: int = 0) -> Path:
+def train(args: Args, method: str, label: str, updates: int, folder: Path, setting: tuple, seed: int = 0,
+          pop: int = ES_POP) -> Path:
     """es.py or grpo.py (resuming a killed run) for `updates` updates on data/val: the 900 training problems, the
     greedy evaluation every 8 updates on the 100 validation problems; a checkpoint every 16, all kept."""
     run = Path(args.out) / "runs" / label
@@ -161,8 +169,8 @@ def train(args: Args, method: str, label: str, updates: int, folder: Path, setti
     resume = ["--resume", str(run)] if (run / "args.json").exists() else []
     if method == "es":
         sigma, alpha = setting
-        argv = ["es.py", *common, "--pop", "8", "--prompts-per-iter", "8", "--sigma", str(sigma), "--alpha",
-                str(alpha), "--iterations", str(updates)]
+        argv = ["es.py", *common, "--pop", str(pop), "--prompts-per-iter", str(64 // pop), "--sigma", str(sigma),
+                "--alpha", str(alpha), "--iterations", str(updates)]
     else:
         argv = ["grpo.py", *common, "--prompts-per-step", "8", "--group-size", "8", "--micro-batch-size", "16",
                 "--lr", str(setting[0]), "--steps", str(updates)]
@@ -193,6 +201,64 @@ def token_entropy(args: Args, label: str, model: str, prompts_used: int = 32) ->
     return total / count
 
 
+def weight_space(args: Args, folder: Path, sigma: float) -> list[str]:
+    """Greedy verdicts of MEMBERS low-rank perturbed models θ₀ + σ·A_n·B_nᵀ (rank 1: es_lowrank.py's members of seed
+    0's first update) on the first PROBLEMS test problems, one '0'/'1' string per member. The members are forward
+    hooks on one model, two side by side in a batch (es_lowrank.evaluate_population): θ₀ is never written."""
+    import es
+    import es_lowrank
+    from common import Master, score
+
+    policy = HFPolicy(args.model, batch_size=BATCH)
+    problems = load_task("arith", "test", str(folder))[:PROBLEMS]
+    prompts = [render_prompt("arith", p, policy.tokenizer, True) for p in problems]
+    seeds, signs = es.member_seeds(0, 0, MEMBERS, False)
+    print(f"weight space: {MEMBERS} members × {len(prompts)} problems, greedy, σ = {sigma}", flush=True)
+    _, correct, _ = es_lowrank.evaluate_population(policy, Master(policy.params), prompts, lambda i, text: score(
+        "arith", problems[i], text), seeds, signs, sigma, TOKENS, 0.0, [0] * MEMBERS)
+    return ["".join(str(int(c)) for c in row) for row in correct]
+
+
+def reset_models(args: Args, data: dict, seed: int) -> tuple[dict, dict[str, Path]]:
+    """ES θ_T of `seed` with every change |θ − θ₀| ≤ τ* reset to θ₀, and the control that resets as many coordinates
+    drawn uniformly (seeded), as from_pretrained folders; τ* = z·α·√(T'/N), P(|Z| ≤ z) = RESET_SHARE, T' the updates
+    that were not skipped (module docstring). Returns (τ*, the share it resets, T − T'), and the two folders."""
+    import torch
+    from statistics import NormalDist
+
+    from common import derive_seed, load_weights, resolve_model
+
+    (_, alpha), updates = chosen(data)[0], horizon(data)
+    run = Path(args.out) / "runs" / f"es-s{seed}"
+    checkpoint = run / "checkpoints" / f"step_{updates:06d}"
+    skipped = int(sum(v for _, v in load_curves(run, ["es/skipped"])["es/skipped"]))
+    tau = NormalDist().inv_cdf(0.5 + RESET_SHARE / 2) * alpha * math.sqrt((updates - skipped) / ES_POP)
+    theta, theta0 = load_weights(checkpoint), load_weights(resolve_model(args.model))
+    small = {k: (t - theta0[k]).abs() <= tau for k, t in theta.items()}
+    sizes = [t.numel() for t in theta.values()]
+    count, flat = sum(int(m.sum()) for m in small.values()), torch.zeros(sum(sizes), dtype=torch.bool)
+    flat[torch.randperm(len(flat), generator=torch.Generator().manual_seed(derive_seed(seed, "random reset")))[
+        :count]] = True
+    masks = {"tau": small, "random": {k: m.view_as(t) for (k, t), m in zip(theta.items(), flat.split(sizes))}}
+    folders = {name: Path(args.out) / "sparsity" / f"es-s{seed}-{name}" for name in masks}
+    for name, mask in masks.items():
+        if not folders[name].exists():
+            policy = HFPolicy(str(checkpoint), device="cpu")
+            for k, p in policy.params.items():
+                p.copy_(torch.where(mask[k], theta0[k], theta[k]))
+            folders[name].parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(folders[name], policy.save)
+    return {"tau": tau, "reset_share": count / len(flat), "skipped": skipped}, folders
+
+
+def boxed_scores(folder: Path) -> dict[str, list[int]]:
+    """Per problem, from an evaluation's samples.jsonl: the samples with a \\boxed{} answer (arith's reward > 0) and
+    those of them that are correct."""
+    rows = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+    return {"boxed": [sum(x["reward"] > 0 for x in r["samples"]) for r in rows],
+            "correct": [sum(x["reward"] > 0 and x["correct"] for x in r["samples"]) for r in rows]}
+
+
 # ---------------------------------------------------------------------------------------------------- data
 def lane_file(args: Args, lane: str) -> Path:
     return Path(args.data) / f"{lane}.json"
@@ -221,7 +287,8 @@ def curves(run: Path) -> dict:
 def lanes(args: Args) -> list[str]:
     return ([f"screen-{c}" for c in CANDIDATES] + ["base"] + [f"hp-es-{i}" for i in range(len(ES_GRID))]
             + [f"hp-grpo-{i}" for i in range(len(GRPO_LRS))] + ["pilot-es", "pilot-grpo"]
-            + [f"{m}-s{s}" for s in SEEDS for m in ("es", "grpo")])
+            + [f"{m}-s{s}" for s in SEEDS for m in ("es", "grpo")] + ["weights", "heldout", "sparsity"]
+            + [f"diversity-{i}" for i in range(len(DIVERSITY))])
 
 
 def loaded(args: Args) -> dict[str, dict]:
@@ -273,6 +340,41 @@ def run_lane(args: Args, lane: str) -> None:
         save_lane(args, lane, start, setting=setting, curves=curves(run))
         return
     settings = dict(zip(("es", "grpo"), chosen(data)))
+    if lane == "weights":
+        save_lane(args, lane, start, sigma=settings["es"][0], correct=weight_space(args, folder, settings["es"][0]))
+        return
+    if lane.startswith("diversity-"):
+        (sigma, pop), (chosen_sigma, alpha), updates = DIVERSITY[int(lane.rpartition("-")[2])], settings["es"], horizon(data)
+        run = train(args, "es", "es-s0" if (sigma, pop) == (chosen_sigma, ES_POP) else lane, updates, val_dir,
+                    (sigma, alpha), pop=pop)
+        final = evaluate(args, f"{lane}-t{updates}", str(run / "checkpoints" / f"step_{updates:06d}"), folder, 32)
+        save_lane(args, lane, start, setting=[sigma, alpha, pop], curves=curves(run), evals={
+            str(updates): evaluation(final)})
+        return
+    if lane in ("heldout", "sparsity"):  # the final models of the seed lanes
+        pairs = [(m, s) for s in (SEEDS if lane == "heldout" else SPARSITY_SEEDS)
+                 for m in (("es", "grpo") if lane == "heldout" else ("es",))]
+        missing = [f"{m}-s{s}" for m, s in pairs if f"{m}-s{s}" not in data]
+        require(not missing, f"lane {lane} evaluates the seed lanes' final models: run {', '.join(missing)} first")
+        final = {f"{m}@{s}": Path(args.out) / "runs" / f"{m}-s{s}" / "checkpoints" / f"step_{horizon(data):06d}"
+                 for m, s in pairs}
+    if lane == "heldout":
+        products = Path(args.out) / "data" / "products"
+        run_step(args, "data-products", products / "test.jsonl", ["bench/task_data.py", "--out", str(products),
+                                                                    *PRODUCTS])
+        evals = {label: boxed_scores(evaluate(args, f"heldout-{label}", str(model), products, HELDOUT_N))
+                 for label, model in {"base": args.model, **final}.items()}
+        save_lane(args, lane, start, evals=evals)
+        return
+    if lane == "sparsity":
+        found = {}
+        for seed in SPARSITY_SEEDS:
+            info, models = reset_models(args, data, seed)
+            evals = {name: evaluation(evaluate(args, f"sparsity-es{seed}-{name}", str(model), folder, 32))
+                     for name, model in models.items()}
+            found[str(seed)] = info | {"evals": evals}
+        save_lane(args, lane, start, seeds=found)
+        return
     if lane.startswith("pilot-"):
         run = train(args, method, f"{method}-s0", PILOT_UPDATES, val_dir, settings[method])
         entropy = {str(t): token_entropy(args, f"{lane}@{t}", str(run / "checkpoints" / f"step_{t:06d}"))
@@ -391,6 +493,93 @@ def plot_passk(reports: dict[str, dict], file: Path) -> None:
     plt.close(fig)
 
 
+def verdict(mean: float, p2: float, sd: float, units: int) -> str:
+    """One two-sided test at ALPHA (not in the endpoints' family): its direction, or undecided with its MDE."""
+    return (("above" if mean > 0 else "below") if p2 <= ALPHA else
+            f"undecided (MDE {100 * mde(sd, units, ALPHA / 2):.1f} pt at 80 % power)")
+
+
+def weights_section(data: dict) -> list[str]:
+    """Weight space (greedy answers of the perturbed members) against token space (the base's samples at temperature
+    0.6) on the same problems: pass@k of each (the unbiased estimator from c of n = 128), and who reaches what."""
+    w, base = data["weights"], data["base"]["evals"]["base"]
+    counts = [sum(int(member[x]) for member in w["correct"]) for x in range(len(w["correct"][0]))]
+    members = base | {"n": len(w["correct"]), "correct_counts": counts}
+    ks = [k for k in base["ks"] if k <= members["n"]]
+    lines = [f"## Weight space against token space (the base model, the {len(counts)} test problems)", "",
+             "| exploration | " + " | ".join(f"pass@{k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
+    for name, r in ((f"token space: {base['n']} samples at temperature 0.6", base),
+                    (f"weight space: greedy θ₀ + σ·ε_n, {members['n']} members, σ = {w['sigma']}", members)):
+        v = per_problem(r, r["n"], ks)[:, 1:].mean(0)
+        lines.append(f"| {name} | " + " | ".join(f"{100 * x:.1f}" for x in v) + " |")
+    token, weight = np.array(base["correct_counts"]) > 0, np.array(counts) > 0
+    return lines + ["", f"At k = {max(ks)}: reached by both {(token & weight).sum()}, by weight space only "
+                    f"{(weight & ~token).sum()}, by token space only {(token & ~weight).sum()}, by neither "
+                    f"{(~token & ~weight).sum()}.", ""]
+
+
+def sparsity_section(data: dict) -> list[str]:
+    """θ_τ* (ES's changes ≤ τ* reset) against θ_random (as many coordinates reset at random), seeds 0–2, n = 32."""
+    found = data["sparsity"]["seeds"]
+    report = {"task": "arith", "n": 32, "ks": next(iter(found.values()))["evals"]["tau"]["ks"], "results": {
+        f"{name}@{seed}": {"arith": e} for seed, x in found.items() for name, e in x["evals"].items()}}
+    lines = ["## Sparsity: ES θ_T with its changes |Δ| ≤ τ* reset, against as many coordinates reset at random "
+             "(n = 32)", "", "| seed | τ* | reset share | skipped updates | pass@1 θ_τ* | pass@1 θ_random | "
+             "pass@32 θ_τ* | pass@32 θ_random |", "|---|---|---|---|---|---|---|---|"]
+    for seed, x in found.items():
+        (tau1, tau32), (rand1, rand32) = (per_problem(e, e["n"], e["ks"])[:, [1, -1]].mean(0) * 100
+                                          for e in (x["evals"]["tau"], x["evals"]["random"]))
+        lines.append(f"| {seed} | {x['tau']:.3g} | {100 * x['reset_share']:.1f} % | {x['skipped']} | {tau1:.1f} | "
+                     f"{rand1:.1f} | {tau32:.1f} | {rand32:.1f} |")
+    row = seeded_row("θ_τ* − θ_random at pass@1", report, "tau", "random", "pass@1", None)
+    if "p" in row:
+        p2 = min(1.0, 2 * min(row["p"], row["p_opp"]))
+        lines += ["", f"{row['name']} (same seed): {100 * row['mean']:+.1f} [{100 * row['ci'][0]:+.1f}, "
+                  f"{100 * row['ci'][1]:+.1f}] pt, seed-level t over {row['units']} seeds, two-sided p {p_text(p2)}: "
+                  f"{verdict(row['mean'], p2, row['sd'], row['units'])}."]
+    return lines + [""]
+
+
+def heldout_section(data: dict) -> list[str]:
+    """Products a * b: each model's share of boxed samples and its accuracy among them; ES − GRPO, same seed."""
+    evals = data["heldout"]["evals"]
+    accuracy = {label: sum(r["correct"]) / max(sum(r["boxed"]), 1) for label, r in evals.items()}
+    lines = [f"## Held out: products a * b, a, b ≤ 15 (n = {HELDOUT_N}; correct among the samples with a boxed "
+             "answer)", "", "| model | boxed | correct among boxed |", "|---|---|---|"]
+    lines += [f"| {label} | {100 * sum(r['boxed']) / (HELDOUT_N * len(r['boxed'])):.1f} % | "
+              f"{100 * accuracy[label]:.1f} % |" for label, r in evals.items()]
+    effects = np.array([accuracy[f"es@{s}"] - accuracy[f"grpo@{s}"] for s in SEEDS
+                        if f"es@{s}" in accuracy and f"grpo@{s}" in accuracy])
+    if len(effects) >= 2:
+        sd, half = effects.std(ddof=1), t_quantile(0.975, len(effects) - 1) * effects.std(ddof=1) / len(effects) ** .5
+        p2 = min(1.0, 2 * min(t_test(effects)))
+        lines += ["", f"ES − GRPO (same seed), correct among boxed: {100 * effects.mean():+.1f} "
+                  f"[{100 * (effects.mean() - half):+.1f}, {100 * (effects.mean() + half):+.1f}] pt, seed-level t over "
+                  f"{len(effects)} seeds, two-sided p {p_text(p2)}: {verdict(effects.mean(), p2, sd, len(effects))}."]
+    return lines + [""]
+
+
+def diversity_section(data: dict) -> list[str]:
+    """The diversity runs: (σ, N), their mean JS diversity over the updates, pass@1 and pass@32 of θ_T; Spearman ρ."""
+    runs = {lane: d for lane, d in data.items() if lane.startswith("diversity-")}
+    lines = ["## Diversity: ES runs with σ and N varied (seed 0, n = 32 at θ_T)", "",
+             "| lane | σ | N | mean JS diversity (bits) | pass@1 | pass@32 |", "|---|---|---|---|---|---|"]
+    js, top = [], []
+    for lane, d in runs.items():
+        e = next(iter(d["evals"].values()))
+        v = per_problem(e, e["n"], e["ks"]).mean(0)
+        js.append(np.mean([x for _, x in d["curves"]["es/js_succ_bits"]]))
+        top.append(v[-1])
+        lines.append(f"| {lane} | {d['setting'][0]:g} | {d['setting'][2]} | {js[-1]:.3f} | {100 * v[1]:.1f} | "
+                     f"{100 * v[-1]:.1f} |")
+    if len(runs) >= 3:
+        rho, p, best = spearman(np.array(js), np.array(top))
+        lines += ["", f"Spearman ρ (mean JS diversity, pass@32) over {len(runs)} runs: {rho:+.2f}, one-sided "
+                  f"permutation p {p_text(p)} (the smallest these ties allow: {p_text(best)}): "
+                  + ("more diversity, higher pass@32" if p <= ALPHA else "undecided") + "."]
+    return lines + [""]
+
+
 def budget(data: dict) -> list[str]:
     """Budget parity, per method over every training lane: per update the sampled completions, the generated tokens
     (tokens/s × rollout seconds, as the scripts log them), the passes, and the wall seconds."""
@@ -484,6 +673,9 @@ def write_report(args: Args) -> Path:
         lines += [f"| {lane} | " + ", ".join(f"{t}: {v:.3f}" for t, v in e.items()) + " |"
                   for lane, e in entropy.items()]
         lines.append("")
+    for lane, section in (("weights", weights_section), ("heldout", heldout_section), ("sparsity", sparsity_section),
+                          ("diversity-", diversity_section)):
+        lines += section(data) if any(name.startswith(lane) for name in data) else []
     lines += budget(data)
     lines += ["## Cost (wall minutes of each lane, on the machine that ran it)", "", "| lane | minutes |", "|---|---|",
               *[f"| {lane} | {d['seconds'] / 60:.0f} |" for lane, d in data.items()],

@@ -144,7 +144,9 @@ def test_the_report_is_rebuilt_from_the_lane_files_alone(tmp_path: Path) -> None
                  "## Token entropy", "| total | 140 |",
                  # tokens: 2·100, 4·50, 2·100, 4·100 → 250; seconds 10, 20, 10, 21 → 15.25
                  "| ES | 4 | 64 | 250 | 8 members", "| GRPO | 4 | 64 | 250 | 64 samples", "| 15.2 |",
-                 "Lanes still to run: screen-chains20, es-s2, grpo-s2, es-s3, grpo-s3, es-s4, grpo-s4."):
+                 "Lanes still to run: screen-chains20, es-s2, grpo-s2, es-s3, grpo-s3, es-s4, grpo-s4, weights, "
+                 "heldout, sparsity, diversity-0, diversity-1, diversity-2, diversity-3, diversity-4, diversity-5, "
+                 "diversity-6, diversity-7, diversity-8, diversity-9, diversity-10, diversity-11."):
         assert part in text, part
     assert (tmp_path / "docs" / "passk.png").stat().st_size > 10_000
     first = {f.name: f.read_bytes() for f in (tmp_path / "docs").iterdir()}
@@ -198,6 +200,7 @@ def test_every_lane_command_parses_and_matches_the_budget(tmp_path: Path, monkey
     args = regime.Args(out=str(tmp_path / "run"))
     regime.train(args, "es", "hp-es-0", 16, tmp_path / "val", regime.ES_GRID[0])
     regime.train(args, "grpo", "grpo-s3", 32, tmp_path / "val", (regime.GRPO_LRS[0],), seed=3)
+    regime.train(args, "es", "diversity-8", 32, tmp_path / "val", regime.DIVERSITY[8][:1] + (2.5e-3,), pop=16)
     regime.evaluate(args, "base", args.model, tmp_path / "data", 128)
     regime.make_data(args, "chains20")
     parsed = {}
@@ -212,7 +215,9 @@ def test_every_lane_command_parses_and_matches_the_budget(tmp_path: Path, monkey
         if hasattr(module, "check_args"):
             module.check_args(parsed[name])
     es, grpo, base = parsed["hp-es-0"], parsed["grpo-s3"], parsed["eval-base"]
+    wide = parsed["diversity-8"]
     assert es.pop * es.prompts_per_iter == grpo.prompts_per_step * grpo.group_size == 64
+    assert (wide.pop, wide.prompts_per_iter, wide.sigma) == (16, 4, regime.DIVERSITY[8][0])
     assert (es.iterations, es.seed, grpo.steps, grpo.seed, grpo.lr) == (16, 0, 32, 3, regime.GRPO_LRS[0])
     assert (base.n, base.num_problems, base.batch_size, base.max_new_tokens) == (128, 100, 256, regime.TOKENS)
     assert (parsed["data-chains20"].kind, parsed["data-chains20"].max_number) == ("chains", 20)
@@ -240,3 +245,177 @@ def test_the_committed_report_rebuilds_from_the_committed_lanes(tmp_path: Path) 
     regime.main(regime.Args(report=True, data=str(ROOT / "docs" / "regime" / "data"), docs=str(tmp_path)))
     for made in tmp_path.iterdir():
         assert made.read_bytes() == (ROOT / "docs" / "regime" / made.name).read_bytes(), made.name
+
+
+def searched_and_piloted(folder: Path) -> dict:
+    """The search (ES: ES_GRID[2], α = 2.5e-3) and the pilot (T = 32) as lane files, loaded as the lanes see them."""
+    lane_files(folder)
+    return regime.loaded(regime.Args(data=str(folder)))
+
+
+def test_the_weight_space_lane_asks_for_the_members_of_seed_0s_first_update(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its wiring (the batched members' logits are es_lowrank's, tested there): es.py's member seeds of update 0,
+    σ, greedy, ≤ TOKENS tokens, the first PROBLEMS test problems with the chat template; a string per member."""
+    import common
+    import es
+    import es_lowrank
+
+    seen = {}
+
+    def population(engine, master, prompts, reward_fn, seeds, signs, sigma, max_new_tokens, temperature, sample_seeds):
+        seen.update(prompts=prompts, seeds=list(seeds), signs=signs.tolist(), sigma=sigma, tokens=max_new_tokens,
+                    temperature=temperature, verdict=reward_fn(1, "so \\boxed{2}"))
+        return None, np.array([[1, 0, 1], [0, 0, 1], [1, 1, 1], [0, 0, 0]]), {}
+
+    class Policy:
+        def __init__(self, model: str, batch_size: int) -> None:
+            self.tokenizer, self.params = None, {}
+
+    monkeypatch.setattr(es_lowrank, "evaluate_population", population)
+    monkeypatch.setattr(regime, "HFPolicy", Policy)
+    monkeypatch.setattr(regime, "render_prompt", lambda task, p, tokenizer, chat: f"{chat}: {p.question}")
+    monkeypatch.setattr(common, "Master", lambda params: None)
+    monkeypatch.setattr(regime, "MEMBERS", 4)
+    monkeypatch.setattr(regime, "PROBLEMS", 3)
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps({"question": f"What is {a} + 1?", "answer": f"#### {a + 1}"})
+                                                 + "\n" for a in range(5)))
+    got = regime.weight_space(regime.Args(model="m"), tmp_path, 5e-3)
+    assert got == ["101", "001", "111", "000"]
+    assert seen["seeds"] == es.member_seeds(0, 0, 4, False)[0] and seen["signs"] == [1.0] * 4
+    assert (seen["sigma"], seen["tokens"], seen["temperature"]) == (5e-3, regime.TOKENS, 0.0)
+    assert seen["prompts"] == [f"True: What is {a} + 1?" for a in range(3)] and seen["verdict"] == (1.0, True)
+
+
+def test_the_reset_models_reset_the_small_changes_and_as_many_at_random(tmp_path: Path, tiny_model: str) -> None:
+    """τ* = z·α·√(T'/N) with P(|Z| ≤ z) = 0.78 (z by bisection on erf), T' = 32 − 1 skipped; θ_T = θ₀ + N(0, s²)
+    noise, so about 78 % of the coordinates are reset; the control resets exactly as many, elsewhere."""
+    import torch
+
+    from common import HFPolicy, load_weights
+
+    data = searched_and_piloted(tmp_path / "data")
+    (_, alpha), T = regime.chosen(data)[0], regime.horizon(data)
+    run = tmp_path / "run" / "runs" / "es-s0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": u, "es/skipped": int(u == 5)}) + "\n"
+                                               for u in range(1, T + 1)))
+    s = alpha * math.sqrt((T - 1) / 8)
+    lo, hi = 0.0, 5.0
+    for _ in range(100):
+        lo, hi = ((lo + hi) / 2, hi) if math.erf((lo + hi) / 2 / math.sqrt(2)) < 0.78 else (lo, (lo + hi) / 2)
+    policy = HFPolicy(tiny_model, device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    for p in policy.params.values():
+        p.add_(torch.randn(p.shape, generator=generator) * s)
+    policy.save(run / "checkpoints" / f"step_{T:06d}")
+    info, folders = regime.reset_models(regime.Args(out=str(tmp_path / "run"), model=tiny_model), data, 0)
+    assert info["tau"] == pytest.approx(lo * s, rel=1e-6) and info["skipped"] == 1
+    theta0, theta = load_weights(tiny_model), load_weights(run / "checkpoints" / f"step_{T:06d}")
+    small = {k: (t - theta0[k]).abs() <= lo * s for k, t in theta.items()}
+    total = sum(m.numel() for m in small.values())
+    count = sum(int(m.sum()) for m in small.values())
+    assert info["reset_share"] == count / total and abs(count / total - 0.78) < 0.02
+    tau, random = load_weights(folders["tau"]), load_weights(folders["random"])
+    assert all(torch.equal(tau[k], torch.where(small[k], theta0[k], theta[k])) for k in theta)
+    reset = {k: (random[k] == theta0[k]) & (theta[k] != theta0[k]) for k in theta}  # reset, and it was moved
+    kept = {k: random[k] == theta[k] for k in theta}
+    assert all(bool((reset[k] | kept[k]).all()) for k in theta)
+    assert sum(int(m.sum()) for m in reset.values()) == count - sum(int((theta[k] == theta0[k]).sum()) for k in theta)
+    overlap = sum(int((reset[k] & small[k]).sum()) for k in theta) / count
+    assert abs(overlap - 0.78) < 0.03  # drawn at random: as often on a small change as the small changes are common
+
+
+def test_boxed_scores_count_boxed_samples_and_the_correct_ones_among_them(tmp_path: Path) -> None:
+    rows = [{"samples": [{"reward": 1.0, "correct": True}, {"reward": 0.1, "correct": False},
+                         {"reward": 0.0, "correct": True}]},  # right but not boxed: not counted
+            {"samples": [{"reward": 0.0, "correct": False}] * 3}]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert regime.boxed_scores(tmp_path) == {"boxed": [2, 0], "correct": [1, 0]}
+
+
+def test_the_sub_study_sections_by_hand() -> None:
+    """Weight space: problem 0 solved by 64 of 128 members, 1 by none, 2 by one, 3 by all; the base's samples solve
+    5 of 128 on problem 1 and all on 3. Held out: ES − GRPO among boxed answers 25, 0, 12.5 points over 3 seeds:
+    mean 12.5, sd 12.5, t = √3 (df 2: F(t) = ½ + t/(2√(2 + t²)), two-sided p 0.225), t_0.975 = 4.303, MDE at 80 %
+    power (4.303 + 1.061)·12.5/√3 = 38.7."""
+    members = [f"{int(n < 64)}0{int(n == 0)}1" for n in range(128)]
+    data = {"base": {"evals": {"base": evaluation([0, 5, 0, 128], 128)}},
+            "weights": {"sigma": 5e-3, "correct": members}}
+    lines = regime.weights_section(data)
+    assert lines[4].startswith("| token space: 128 samples at temperature 0.6 | 26.0 |")  # (5 + 128)/512
+    assert lines[5].startswith("| weight space: greedy θ₀ + σ·ε_n, 128 members, σ = 0.005 | 37.7 |")  # 193/512
+    assert lines[4].endswith("| 50.0 |") and lines[5].endswith("| 75.0 |")
+    assert lines[7] == ("At k = 128: reached by both 1, by weight space only 2, by token space only 1, by neither 0.")
+    boxed = lambda b, c: {"boxed": b, "correct": c}  # noqa: E731
+    evals = {"base": boxed([8, 0], [4, 0])}
+    for seed, (es, grpo) in enumerate(((12, 8), (8, 8), (10, 8))):  # of 16 boxed: 75 / 50, 50 / 50, 62.5 / 50 %
+        evals |= {f"es@{seed}": boxed([8, 8], [es - 4, 4]), f"grpo@{seed}": boxed([8, 8], [grpo - 4, 4])}
+    lines = regime.heldout_section({"heldout": {"evals": evals}})
+    assert "| base | 50.0 % | 50.0 % |" in lines and "| es@0 | 100.0 % | 75.0 % |" in lines
+    assert lines[-2] == ("ES − GRPO (same seed), correct among boxed: +12.5 [-18.6, +43.6] pt, seed-level t over 3 "
+                         "seeds, two-sided p 0.225: undecided (MDE 38.7 pt at 80 % power).")
+
+
+def test_the_sparsity_section_by_hand() -> None:
+    """n = 32 on 4 problems: θ_τ* solves 32, 16, 0, 8 of 32 (pass@1 43.75 %, pass@32 75 %); the control 16, 16, 0, 0
+    at seed 0 (25 %, 50 %), as θ_τ* at seed 1, 8, 16, 0, 8 at seed 2 (25 %): differences 18.75, 0, 18.75 points,
+    mean 12.5, sd 10.83, t_0.975,2 = 4.303: [−14.4, +39.4]."""
+    tau = evaluation([32, 16, 0, 8], 32)
+    controls = ([16, 16, 0, 0], [32, 16, 0, 8], [8, 16, 0, 8])
+    found = {str(s): {"tau": 6e-3, "reset_share": 0.78, "skipped": s, "evals": {"tau": tau, "random": evaluation(
+        c, 32)}} for s, c in enumerate(controls)}
+    lines = regime.sparsity_section({"sparsity": {"seeds": found}})
+    assert lines[4] == "| 0 | 0.006 | 78.0 % | 0 | 43.8 | 25.0 | 75.0 | 50.0 |"
+    assert lines[-2].startswith("θ_τ* − θ_random at pass@1 (same seed): +12.5 [-14.4, +39.4] pt, seed-level t over 3 "
+                                "seeds, two-sided p 0.18")
+    assert lines[-2].endswith("undecided (MDE 33.5 pt at 80 % power).")
+
+
+def test_a_diversity_lane_trains_its_sigma_and_n_and_reuses_es_s0_for_the_chosen_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the search's ES choice (σ, α) = (2.5e-3, 2.5e-3) and T = 32: diversity-0 is σ = 1.25e-3, N = 4 (16 prompts),
+    diversity-5 is the chosen σ at N = 8, the run of lane es-s0; each evaluated at n = 32 and written to --data."""
+    lane_files(tmp_path / "data")
+    trained, evaluated = [], []
+
+    def train(args, method, label, updates, folder, setting, seed=0, pop=8):
+        trained.append((label, updates, setting, pop))
+        run = tmp_path / "runs" / label
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": u, "es/js_succ_bits": u / 10}) + "\n"
+                                                   for u in (1, 2)))
+        return run
+
+    def evaluate(args, name, model, folder, n):
+        evaluated.append((name, model, n))
+        out = tmp_path / "eval" / name
+        out.mkdir(parents=True)
+        (out / "passk.json").write_text(json.dumps({"n": n, "ks": k_grid(n), "results": {name: {"arith": evaluation(
+            [1, 0], n) | {"label": name}}}}))
+        return out
+
+    monkeypatch.setattr(regime, "train", train)
+    monkeypatch.setattr(regime, "evaluate", evaluate)
+    monkeypatch.setattr(regime, "make_data", lambda args, name: tmp_path / "task")
+    args = regime.Args(out=str(tmp_path / "run"), data=str(tmp_path / "data"))
+    for lane in ("diversity-0", "diversity-5"):
+        regime.run_lane(args, lane)
+    assert trained == [("diversity-0", 32, (1.25e-3, 2.5e-3), 4), ("es-s0", 32, (2.5e-3, 2.5e-3), 8)]
+    assert [n for _, _, n in evaluated] == [32, 32] and evaluated[1][1].endswith("es-s0/checkpoints/step_000032")
+    saved = json.loads((tmp_path / "data" / "diversity-0.json").read_text())
+    assert saved["setting"] == [1.25e-3, 2.5e-3, 4] and saved["curves"]["es/js_succ_bits"] == [[1, 0.1], [2, 0.2]]
+
+
+def test_the_diversity_section_by_hand() -> None:
+    """Four runs: pass@32 0, 25, 50, 75 %, mean JS diversity ranked 0, 1, 3, 2: ρ = 1 − 6·2/(4·15) = 0.8, reached or
+    passed by 4 of the 4! orderings (ρ = 1 once, 0.8 three times): exact one-sided p = 4/24 = 0.167, the smallest
+    possible 1/24 = 0.042."""
+    order = [0, 1, 3, 2]
+    data = {f"diversity-{i}": {"setting": [1e-3 * (i + 1), 2.5e-3, 8], "curves": {"es/js_succ_bits": [
+        [1, 0.1 * order[i]], [2, 0.1 * order[i] + 0.2]]}, "evals": {"32": evaluation([32] * i + [0] * (4 - i), 32)}}
+        for i in range(4)}
+    lines = regime.diversity_section(data)
+    assert lines[5] == "| diversity-1 | 0.002 | 8 | 0.200 | 25.0 | 25.0 |"
+    assert lines[-2] == ("Spearman ρ (mean JS diversity, pass@32) over 4 runs: +0.80, one-sided permutation p 0.167 (the "
+                         "smallest these ties allow: 0.042): undecided.")
