@@ -59,7 +59,8 @@ def check_run_dir(out_dir: str, resume: Optional[str], resumable: bool = True) -
 
 def require_min(args: Any, minimum: float, *flags: str) -> None:
     """Every named flag (unless None) ≥ minimum, each refused in one line."""
-    for flag, value in ((flag, getattr(args, flag)) for flag in flags):
+    for flag in flags:
+        value = getattr(args, flag)
         require(value is None or value >= minimum, f"--{flag.replace('_', '-')} must be ≥ {minimum}, got {value}")
 
 
