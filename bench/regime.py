@@ -159,6 +159,11 @@ def evaluate(args: Args, name: str, model: str, folder: Path, n: int) -> Path:
     return out
 
 
+def checkpoint(args: Args, label: str, step: int) -> Path:
+    """The checkpoint of run `label` (runs/LABEL) after `step` updates."""
+    return Path(args.out) / "runs" / label / "checkpoints" / f"step_{step:06d}"
+
+
 def train(args: Args, method: str, label: str, updates: int, folder: Path, setting: tuple, seed: int = 0,
           pop: int = ES_POP) -> Path:
     """es.py or grpo.py (resuming a killed run) for `updates` updates on data/val: the 900 training problems, the
@@ -174,7 +179,7 @@ def train(args: Args, method: str, label: str, updates: int, folder: Path, setti
     else:
         argv = ["grpo.py", *common, "--prompts-per-step", "8", "--group-size", "8", "--micro-batch-size", "16",
                 "--lr", str(setting[0]), "--steps", str(updates)]
-    run_step(args, label, run / "checkpoints" / f"step_{updates:06d}" / "state.json", [*argv, *resume])
+    run_step(args, label, checkpoint(args, label, updates) / "state.json", [*argv, *resume])
     return run
 
 
@@ -229,11 +234,10 @@ def reset_models(args: Args, data: dict, seed: int) -> tuple[dict, dict[str, Pat
     from common import derive_seed, load_weights, resolve_model
 
     (_, alpha), updates = chosen(data)[0], horizon(data)
-    run = Path(args.out) / "runs" / f"es-s{seed}"
-    checkpoint = run / "checkpoints" / f"step_{updates:06d}"
-    skipped = int(sum(v for _, v in load_curves(run, ["es/skipped"])["es/skipped"]))
+    final = checkpoint(args, f"es-s{seed}", updates)
+    skipped = int(sum(v for _, v in load_curves(final.parents[1], ["es/skipped"])["es/skipped"]))
     tau = NormalDist().inv_cdf(0.5 + RESET_SHARE / 2) * alpha * math.sqrt((updates - skipped) / ES_POP)
-    theta, theta0 = load_weights(checkpoint), load_weights(resolve_model(args.model))
+    theta, theta0 = load_weights(final), load_weights(resolve_model(args.model))
     small = {k: (t - theta0[k]).abs() <= tau for k, t in theta.items()}
     sizes = [t.numel() for t in theta.values()]
     count, flat = sum(int(m.sum()) for m in small.values()), torch.zeros(sum(sizes), dtype=torch.bool)
@@ -241,9 +245,10 @@ def reset_models(args: Args, data: dict, seed: int) -> tuple[dict, dict[str, Pat
         :count]] = True
     masks = {"tau": small, "random": {k: m.view_as(t) for (k, t), m in zip(theta.items(), flat.split(sizes))}}
     folders = {name: Path(args.out) / "sparsity" / f"es-s{seed}-{name}" for name in masks}
+    policy = None  # θ_T's model and tokenizer, loaded once for both folders (every weight is overwritten)
     for name, mask in masks.items():
         if not folders[name].exists():
-            policy = HFPolicy(str(checkpoint), device="cpu")
+            policy = policy or HFPolicy(str(final), device="cpu")
             for k, p in policy.params.items():
                 p.copy_(torch.where(mask[k], theta0[k], theta[k]))
             folders[name].parent.mkdir(parents=True, exist_ok=True)
@@ -344,10 +349,11 @@ def run_lane(args: Args, lane: str) -> None:
         save_lane(args, lane, start, sigma=settings["es"][0], correct=weight_space(args, folder, settings["es"][0]))
         return
     if lane.startswith("diversity-"):
-        (sigma, pop), (chosen_sigma, alpha), updates = DIVERSITY[int(lane.rpartition("-")[2])], settings["es"], horizon(data)
+        (sigma, pop), (chosen_sigma, alpha) = DIVERSITY[int(lane.rpartition("-")[2])], settings["es"]
+        updates = horizon(data)
         run = train(args, "es", "es-s0" if (sigma, pop) == (chosen_sigma, ES_POP) else lane, updates, val_dir,
                     (sigma, alpha), pop=pop)
-        final = evaluate(args, f"{lane}-t{updates}", str(run / "checkpoints" / f"step_{updates:06d}"), folder, 32)
+        final = evaluate(args, f"{lane}-t{updates}", str(checkpoint(args, run.name, updates)), folder, 32)
         save_lane(args, lane, start, setting=[sigma, alpha, pop], curves=curves(run), evals={
             str(updates): evaluation(final)})
         return
@@ -356,14 +362,14 @@ def run_lane(args: Args, lane: str) -> None:
                  for m in (("es", "grpo") if lane == "heldout" else ("es",))]
         missing = [f"{m}-s{s}" for m, s in pairs if f"{m}-s{s}" not in data]
         require(not missing, f"lane {lane} evaluates the seed lanes' final models: run {', '.join(missing)} first")
-        final = {f"{m}@{s}": Path(args.out) / "runs" / f"{m}-s{s}" / "checkpoints" / f"step_{horizon(data):06d}"
-                 for m, s in pairs}
     if lane == "heldout":
+        models = {"base": args.model} | {f"{m}@{s}": str(checkpoint(args, f"{m}-s{s}", horizon(data)))
+                                         for m, s in pairs}
         products = Path(args.out) / "data" / "products"
         run_step(args, "data-products", products / "test.jsonl", ["bench/task_data.py", "--out", str(products),
                                                                     *PRODUCTS])
-        evals = {label: boxed_scores(evaluate(args, f"heldout-{label}", str(model), products, HELDOUT_N))
-                 for label, model in {"base": args.model, **final}.items()}
+        evals = {label: boxed_scores(evaluate(args, f"heldout-{label}", model, products, HELDOUT_N))
+                 for label, model in models.items()}
         save_lane(args, lane, start, evals=evals)
         return
     if lane == "sparsity":
@@ -377,7 +383,7 @@ def run_lane(args: Args, lane: str) -> None:
         return
     if lane.startswith("pilot-"):
         run = train(args, method, f"{method}-s0", PILOT_UPDATES, val_dir, settings[method])
-        entropy = {str(t): token_entropy(args, f"{lane}@{t}", str(run / "checkpoints" / f"step_{t:06d}"))
+        entropy = {str(t): token_entropy(args, f"{lane}@{t}", str(checkpoint(args, run.name, t)))
                    for t in range(16, PILOT_UPDATES + 1, 16)}
         save_lane(args, lane, start, setting=settings[method], curves=curves(run), entropy=entropy)
         return
@@ -385,9 +391,9 @@ def run_lane(args: Args, lane: str) -> None:
     run = train(args, method, f"{method}-s{seed}", updates, val_dir, settings[method], seed=seed)
     label, evals, entropy = f"{method}@{seed}", {}, {}
     for t, n in ((updates // 2, 32), (updates, 128)):
-        checkpoint = str(run / "checkpoints" / f"step_{t:06d}")
-        evals[str(t)] = evaluation(evaluate(args, f"{label}-t{t}", checkpoint, folder, n))
-        entropy[str(t)] = token_entropy(args, f"{label}@{t}", checkpoint)
+        model = str(checkpoint(args, run.name, t))
+        evals[str(t)] = evaluation(evaluate(args, f"{label}-t{t}", model, folder, n))
+        entropy[str(t)] = token_entropy(args, f"{label}@{t}", model)
     save_lane(args, lane, start, setting=settings[method], updates=updates, curves=curves(run), evals=evals,
               entropy=entropy)
 
