@@ -45,7 +45,7 @@ Design (written and committed before any trained model was evaluated):
   parity      per method and update: completions, generated tokens, passes, wall seconds (from the scripts' perf/ log).
 
 Sub-studies, their rules fixed here before any of their numbers; their lanes run after the seeds: weights, heldout
-and sparsity (about 35, 30 and 50 minutes on 2 cores), diversity-0 … diversity-11 (about 35 minutes each at T = 32):
+and sparsity (about 35, 30 and 50 minutes on 2 cores), diversity-0 … diversity-11 (about 22 minutes each at T = 32):
   sparsity    ES's update is α/N·Σ z_n ε_n with population z-scores (Σ z_n² = N), so after T updates (skipped ones
               not counted) a coordinate's change is N(0, s²), s = α·√(T/N), and |Δ| ≤ τ* = √2·erfinv(0.78)·s ≈ 1.227·s
               holds for 78 % of them (the paper's share). ES θ_T of seeds 0–2: reset |Δ| ≤ τ* to θ₀, beside a control
@@ -55,9 +55,10 @@ and sparsity (about 35, 30 and 50 minutes on 2 cores), diversity-0 … diversity
               the first 100 test problems), scored as correct among the samples with a
               \boxed{} answer, so that learning the format cannot pass for no forgetting. Row: ES − GRPO, same seed.
   diversity   12 ES runs of seed 0 with (σ, N) varied on purpose (σ ∈ {1.25e-3, 2.5e-3, 5e-3, 1e-2} × N ∈ {4, 8, 16},
-              64 completions an update: 64/N prompts; α the chosen one; the chosen σ at N = 8 is lane es-s0's run), T
-              updates each: Spearman ρ between the mean JS diversity over the T updates and pass@32 of θ_T (n = 32),
-              one-sided permutation p at α = 0.05 ([ES-LLM]'s claim: more diversity, higher pass@k).
+              64 completions an update: 64/N prompts; α the chosen one; the chosen σ at N = 8 is lane es-s0's run and
+              its T/2 evaluation), T/2 updates each (T would cost 12 × 35 minutes, past the study's budget; set before
+              any diversity number): Spearman ρ between the mean JS diversity over those updates and pass@32 of
+              θ_{T/2} (n = 32), one-sided permutation p at α = 0.05 ([ES-LLM]'s claim: more diversity, higher pass@k).
   weight vs   the base's pass@k from n = 128 samples at temperature 0.6, against the greedy answers of k perturbed
   token space models θ₀ + σ·ε_n (n = 1 … 128, low-rank members as es_lowrank.py draws them, σ = the chosen ES σ) on the
               same 100 problems: does exploring in weight space reach problems that token sampling misses? Rows: the
@@ -235,7 +236,7 @@ def reset_models(args: Args, data: dict, seed: int) -> tuple[dict, dict[str, Pat
 
     (_, alpha), updates = chosen(data)[0], horizon(data)
     final = checkpoint(args, f"es-s{seed}", updates)
-    skipped = int(sum(v for _, v in load_curves(final.parents[1], ["es/skipped"])["es/skipped"]))
+    skipped = int(sum(v for u, v in load_curves(final.parents[1], ["es/skipped"])["es/skipped"] if u <= updates))
     tau = NormalDist().inv_cdf(0.5 + RESET_SHARE / 2) * alpha * math.sqrt((updates - skipped) / ES_POP)
     theta, theta0 = load_weights(final), load_weights(resolve_model(args.model))
     small = {k: (t - theta0[k]).abs() <= tau for k, t in theta.items()}
@@ -285,8 +286,9 @@ def save_lane(args: Args, lane: str, start: float, **parts: dict) -> None:
     print(f"lane {lane} done in {(time.time() - start) / 60:.0f} min: {lane_file(args, lane)} (commit it)", flush=True)
 
 
-def curves(run: Path) -> dict:
-    return {key: c for key, c in load_curves(run, CURVE_KEYS).items() if c}
+def curves(run: Path, last: int) -> dict:
+    """The run's logged curves up to update `last` (seed 0's run, the pilot's, goes on past T)."""
+    return {key: [x for x in c if x[0] <= last] for key, c in load_curves(run, CURVE_KEYS).items() if c}
 
 
 def lanes(args: Args) -> list[str]:
@@ -342,7 +344,7 @@ def run_lane(args: Args, lane: str) -> None:
         i = int(lane.rpartition("-")[2])
         setting = ES_GRID[i] if method == "es" else (GRPO_LRS[i],)
         run = train(args, method, lane, HP_UPDATES, val_dir, setting)
-        save_lane(args, lane, start, setting=setting, curves=curves(run))
+        save_lane(args, lane, start, setting=setting, curves=curves(run, HP_UPDATES))
         return
     settings = dict(zip(("es", "grpo"), chosen(data)))
     if lane == "weights":
@@ -350,11 +352,11 @@ def run_lane(args: Args, lane: str) -> None:
         return
     if lane.startswith("diversity-"):
         (sigma, pop), (chosen_sigma, alpha) = DIVERSITY[int(lane.rpartition("-")[2])], settings["es"]
-        updates = horizon(data)
-        run = train(args, "es", "es-s0" if (sigma, pop) == (chosen_sigma, ES_POP) else lane, updates, val_dir,
-                    (sigma, alpha), pop=pop)
-        final = evaluate(args, f"{lane}-t{updates}", str(checkpoint(args, run.name, updates)), folder, 32)
-        save_lane(args, lane, start, setting=[sigma, alpha, pop], curves=curves(run), evals={
+        updates, reuse = horizon(data) // 2, (sigma, pop) == (chosen_sigma, ES_POP)
+        run = train(args, "es", "es-s0" if reuse else lane, updates, val_dir, (sigma, alpha), pop=pop)
+        final = evaluate(args, f"es@0-t{updates}" if reuse else f"{lane}-t{updates}",  # es-s0's T/2 evaluation
+                         str(checkpoint(args, run.name, updates)), folder, 32)
+        save_lane(args, lane, start, setting=[sigma, alpha, pop], curves=curves(run, updates), evals={
             str(updates): evaluation(final)})
         return
     if lane in ("heldout", "sparsity"):  # the final models of the seed lanes
@@ -385,7 +387,7 @@ def run_lane(args: Args, lane: str) -> None:
         run = train(args, method, f"{method}-s0", PILOT_UPDATES, val_dir, settings[method])
         entropy = {str(t): token_entropy(args, f"{lane}@{t}", str(checkpoint(args, run.name, t)))
                    for t in range(16, PILOT_UPDATES + 1, 16)}
-        save_lane(args, lane, start, setting=settings[method], curves=curves(run), entropy=entropy)
+        save_lane(args, lane, start, setting=settings[method], curves=curves(run, PILOT_UPDATES), entropy=entropy)
         return
     seed, updates = int(lane.rpartition("-s")[2]), horizon(data)
     run = train(args, method, f"{method}-s{seed}", updates, val_dir, settings[method], seed=seed)
@@ -394,7 +396,7 @@ def run_lane(args: Args, lane: str) -> None:
         model = str(checkpoint(args, run.name, t))
         evals[str(t)] = evaluation(evaluate(args, f"{label}-t{t}", model, folder, n))
         entropy[str(t)] = token_entropy(args, f"{label}@{t}", model)
-    save_lane(args, lane, start, setting=settings[method], updates=updates, curves=curves(run), evals=evals,
+    save_lane(args, lane, start, setting=settings[method], updates=updates, curves=curves(run, updates), evals=evals,
               entropy=entropy)
 
 
@@ -566,9 +568,10 @@ def heldout_section(data: dict) -> list[str]:
 
 
 def diversity_section(data: dict) -> list[str]:
-    """The diversity runs: (σ, N), their mean JS diversity over the updates, pass@1 and pass@32 of θ_T; Spearman ρ."""
+    """The diversity runs: (σ, N), their mean JS diversity over the updates, pass@1 and pass@32 of θ_{T/2}; Spearman
+    ρ."""
     runs = {lane: d for lane, d in data.items() if lane.startswith("diversity-")}
-    lines = ["## Diversity: ES runs with σ and N varied (seed 0, n = 32 at θ_T)", "",
+    lines = ["## Diversity: ES runs with σ and N varied (seed 0, n = 32 at θ_{T/2})", "",
              "| lane | σ | N | mean JS diversity (bits) | pass@1 | pass@32 |", "|---|---|---|---|---|---|"]
     js, top = [], []
     for lane, d in runs.items():
@@ -590,9 +593,12 @@ def budget(data: dict) -> list[str]:
     """Budget parity, per method over every training lane: per update the sampled completions, the generated tokens
     (tokens/s × rollout seconds, as the scripts log them), the passes, and the wall seconds."""
     per: dict[str, list[tuple[float, float]]] = {}
+    pilot = tuple(data.get("pilot-es", {}).get("setting", ()))[:1]
+    again = {"es-s0", "grpo-s0"} | {lane for lane, d in data.items() if lane.startswith("diversity-") and (
+        d["setting"][0], d["setting"][2]) == (*pilot, ES_POP)}  # the pilots' runs, counted in the pilot lanes
     for lane, d in data.items():
         c = d.get("curves", {})
-        if "perf/rollout_s" in c:
+        if "perf/rollout_s" in c and lane not in again:
             method = "grpo" if "grpo" in lane else "es"
             seconds = c.get("perf/iteration_s") or c.get("perf/step_s")
             per.setdefault(method, []).extend((r[1] * t[1], w[1]) for r, t, w in zip(

@@ -136,17 +136,23 @@ def lane_files(folder: Path) -> None:
 
 def test_the_report_is_rebuilt_from_the_lane_files_alone(tmp_path: Path) -> None:
     lane_files(tmp_path / "data")
+    for lane, setting, rollout in (("diversity-0", [1.25e-3, 5e-3, 4], 1.0), ("diversity-6", [5e-3, 5e-3, 8], 100.0)):
+        (tmp_path / "data" / f"{lane}.json").write_text(json.dumps({"lane": lane, "seconds": 0, "setting": setting,
+            "curves": {"es/js_succ_bits": [[1, 0.5]], "perf/rollout_s": [[1, rollout]], "perf/tokens_per_s": [
+                [1, 100.0]], "perf/iteration_s": [[1, 5 * rollout]]}, "evals": {"16": evaluation([1, 0], 32)}}))
     args = regime.Args(report=True, data=str(tmp_path / "data"), docs=str(tmp_path / "docs"))
     regime.main(args)
     text = (tmp_path / "docs" / "results.md").read_text()
     for part in ("## Task screen", "## Hyperparameter search", "T (the pilot's rule): 32 updates.", "## Endpoints",
                  "E3 ES − GRPO at pass@128", "## Coverage at k = 128", "## pass@k at T/2 (n = 32)",
                  "## Token entropy", "| total | 140 |",
-                 # tokens: 2·100, 4·50, 2·100, 4·100 → 250; seconds 10, 20, 10, 21 → 15.25
-                 "| ES | 4 | 64 | 250 | 8 members", "| GRPO | 4 | 64 | 250 | 64 samples", "| 15.2 |",
+                 # seed 1 and diversity-0 (seed 0's run and diversity-6's, the chosen σ at N = 8, are the pilot's):
+                 # ES tokens 2·100, 4·100, 1·100 → 233.3, seconds 10, 21, 5 → 12.0; GRPO 300 and 15.5
+                 "| ES | 3 | 64 | 233 | 8 members", "| 12.0 |", "| GRPO | 2 | 64 | 300 | 64 samples", "| 15.5 |",
+                 "## Diversity: ES runs with σ and N varied",
                  "Lanes still to run: screen-chains20, es-s2, grpo-s2, es-s3, grpo-s3, es-s4, grpo-s4, weights, "
-                 "heldout, sparsity, diversity-0, diversity-1, diversity-2, diversity-3, diversity-4, diversity-5, "
-                 "diversity-6, diversity-7, diversity-8, diversity-9, diversity-10, diversity-11."):
+                 "heldout, sparsity, diversity-1, diversity-2, diversity-3, diversity-4, diversity-5, diversity-7, "
+                 "diversity-8, diversity-9, diversity-10, diversity-11."):
         assert part in text, part
     assert (tmp_path / "docs" / "passk.png").stat().st_size > 10_000
     first = {f.name: f.read_bytes() for f in (tmp_path / "docs").iterdir()}
@@ -298,8 +304,8 @@ def test_the_reset_models_reset_the_small_changes_and_as_many_at_random(tmp_path
     (_, alpha), T = regime.chosen(data)[0], regime.horizon(data)
     run = tmp_path / "run" / "runs" / "es-s0"
     run.mkdir(parents=True)
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": u, "es/skipped": int(u == 5)}) + "\n"
-                                               for u in range(1, T + 1)))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": u, "es/skipped": int(u in (5, T + 3))}) + "\n"
+                                               for u in range(1, 2 * T + 1)))  # seed 0's run goes on past T
     s = alpha * math.sqrt((T - 1) / 8)
     lo, hi = 0.0, 5.0
     for _ in range(100):
@@ -375,7 +381,8 @@ def test_the_sparsity_section_by_hand() -> None:
 def test_a_diversity_lane_trains_its_sigma_and_n_and_reuses_es_s0_for_the_chosen_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the search's ES choice (σ, α) = (2.5e-3, 2.5e-3) and T = 32: diversity-0 is σ = 1.25e-3, N = 4 (16 prompts),
-    diversity-5 is the chosen σ at N = 8, the run of lane es-s0; each evaluated at n = 32 and written to --data."""
+    diversity-5 is the chosen σ at N = 8, the run of lane es-s0 and its evaluation at T/2; each trains T/2 = 16
+    updates, is evaluated at n = 32 and written to --data with its curves up to update 16."""
     lane_files(tmp_path / "data")
     trained, evaluated = [], []
 
@@ -384,7 +391,7 @@ def test_a_diversity_lane_trains_its_sigma_and_n_and_reuses_es_s0_for_the_chosen
         run = tmp_path / "runs" / label
         run.mkdir(parents=True, exist_ok=True)
         (run / "metrics.jsonl").write_text("".join(json.dumps({"step": u, "es/js_succ_bits": u / 10}) + "\n"
-                                                   for u in (1, 2)))
+                                                   for u in (1, 2, 17)))
         return run
 
     def evaluate(args, name, model, folder, n):
@@ -401,10 +408,52 @@ def test_a_diversity_lane_trains_its_sigma_and_n_and_reuses_es_s0_for_the_chosen
     args = regime.Args(out=str(tmp_path / "run"), data=str(tmp_path / "data"))
     for lane in ("diversity-0", "diversity-5"):
         regime.run_lane(args, lane)
-    assert trained == [("diversity-0", 32, (1.25e-3, 2.5e-3), 4), ("es-s0", 32, (2.5e-3, 2.5e-3), 8)]
-    assert [n for _, _, n in evaluated] == [32, 32] and evaluated[1][1].endswith("es-s0/checkpoints/step_000032")
+    assert trained == [("diversity-0", 16, (1.25e-3, 2.5e-3), 4), ("es-s0", 16, (2.5e-3, 2.5e-3), 8)]
+    assert [(name, n) for name, _, n in evaluated] == [("diversity-0-t16", 32), ("es@0-t16", 32)]
+    assert evaluated[1][1].endswith("es-s0/checkpoints/step_000016")
     saved = json.loads((tmp_path / "data" / "diversity-0.json").read_text())
     assert saved["setting"] == [1.25e-3, 2.5e-3, 4] and saved["curves"]["es/js_succ_bits"] == [[1, 0.1], [2, 0.2]]
+
+
+def test_a_seed_lane_trains_t_updates_and_evaluates_t_half_at_32_and_t_at_128(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lane grpo-s1 with T = 32: GRPO at the chosen learning rate, seed 1, 32 updates; θ_16 at n = 32 and θ_32 at
+    n = 128, each with its token entropy; the curves saved up to update 32 although the run logged 40 (seed 0's run
+    is the pilot's, 64 updates)."""
+    lane_files(tmp_path / "data")
+    (tmp_path / "data" / "grpo-s1.json").unlink()
+    calls = []
+
+    def train(args, method, label, updates, folder, setting, seed=0, pop=8):
+        calls.append(("train", method, label, updates, setting, seed))
+        run = tmp_path / "runs" / label
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": u, "train/reward_mean": u / 100}) + "\n"
+                                                   for u in range(1, 41)))
+        return run
+
+    def evaluate(args, name, model, folder, n):
+        calls.append(("eval", name, Path(model).name, n))
+        out = tmp_path / "eval" / name
+        out.mkdir(parents=True)
+        (out / "passk.json").write_text(json.dumps({"n": n, "ks": k_grid(n), "results": {name: {"arith": evaluation(
+            [1, 0], n) | {"label": name}}}}))
+        return out
+
+    monkeypatch.setattr(regime, "train", train)
+    monkeypatch.setattr(regime, "evaluate", evaluate)
+    monkeypatch.setattr(regime, "token_entropy", lambda args, label, model: calls.append(
+        ("entropy", label, Path(model).name)) or len(calls) / 10)
+    monkeypatch.setattr(regime, "make_data", lambda args, name: tmp_path / "task")
+    regime.run_lane(regime.Args(out=str(tmp_path / "run"), data=str(tmp_path / "data")), "grpo-s1")
+    (lr,) = regime.chosen(regime.loaded(regime.Args(data=str(tmp_path / "data"))))[1]
+    assert calls == [("train", "grpo", "grpo-s1", 32, (lr,), 1), ("eval", "grpo@1-t16", "step_000016", 32),
+                     ("entropy", "grpo@1@16", "step_000016"), ("eval", "grpo@1-t32", "step_000032", 128),
+                     ("entropy", "grpo@1@32", "step_000032")]
+    saved = json.loads((tmp_path / "data" / "grpo-s1.json").read_text())
+    assert saved["updates"] == 32 and saved["entropy"] == {"16": 0.3, "32": 0.5}
+    assert [u for u, _ in saved["curves"]["train/reward_mean"]] == list(range(1, 33))
+    assert (saved["evals"]["16"]["n"], saved["evals"]["32"]["n"]) == (32, 128)
 
 
 def test_the_diversity_section_by_hand() -> None:
