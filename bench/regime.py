@@ -42,7 +42,9 @@ Design (written and committed before any trained model was evaluated):
               the estimator's 0/1 case; the report says for which k it has n ≥ 4k (k ≤ 32).
   coverage    at k = 128, seed by seed: test problems solved by both / ES only / GRPO only / neither, and what each
               method gained and lost against the base's solved set.
-  parity      per method and update: completions, generated tokens, passes, wall seconds (from the scripts' perf/ log).
+  parity      per method and update: completions, generated tokens, passes, wall seconds (from the scripts' perf/ log),
+              over every training lane (the load beside them varied), and from lane parity: PARITY_UPDATES updates of
+              each method from θ₀ at the chosen settings, run with nothing else on the machine.
 
 Sub-studies, their rules fixed here before any of their numbers; their lanes run after the seeds: weights, heldout
 and sparsity (about 35, 30 and 50 minutes on 2 cores), diversity-0 … diversity-11 (about 22 minutes each at T = 32):
@@ -96,7 +98,7 @@ SEEDS = (0, 1, 2, 3, 4)
 ES_GRID = ((5e-3, 5e-3), (5e-3, 2.5e-3), (2.5e-3, 2.5e-3))  # (σ, α): the findings study's first
 ES_POP = 8
 GRPO_LRS = (2e-5, 1e-5, 5e-5)  # the findings study's first
-HP_UPDATES, PILOT_UPDATES, PROBLEMS, VALIDATION = 16, 64, 100, 100
+HP_UPDATES, PILOT_UPDATES, PARITY_UPDATES, PROBLEMS, VALIDATION = 16, 64, 8, 100, 100
 TOKENS, BATCH = 32, 256
 RESET_SHARE, SPARSITY_SEEDS, MEMBERS, HELDOUT_N = 0.78, (0, 1, 2), 128, 8  # sub-studies (module docstring)
 DIVERSITY = tuple((sigma, pop) for pop in (4, 8, 16) for sigma in (1.25e-3, 2.5e-3, 5e-3, 1e-2))
@@ -294,7 +296,7 @@ def curves(run: Path, last: int) -> dict:
 def lanes(args: Args) -> list[str]:
     return ([f"screen-{c}" for c in CANDIDATES] + ["base"] + [f"hp-es-{i}" for i in range(len(ES_GRID))]
             + [f"hp-grpo-{i}" for i in range(len(GRPO_LRS))] + ["pilot-es", "pilot-grpo"]
-            + [f"{m}-s{s}" for s in SEEDS for m in ("es", "grpo")] + ["weights", "heldout", "sparsity"]
+            + [f"{m}-s{s}" for s in SEEDS for m in ("es", "grpo")] + ["parity", "weights", "heldout", "sparsity"]
             + [f"diversity-{i}" for i in range(len(DIVERSITY))])
 
 
@@ -347,6 +349,10 @@ def run_lane(args: Args, lane: str) -> None:
         save_lane(args, lane, start, setting=setting, curves=curves(run, HP_UPDATES))
         return
     settings = dict(zip(("es", "grpo"), chosen(data)))
+    if lane == "parity":  # run with nothing else on the machine: its wall times are the budget table's clean ones
+        runs = {m: train(args, m, f"parity-{m}", PARITY_UPDATES, val_dir, settings[m]) for m in ("es", "grpo")}
+        save_lane(args, lane, start, curves={m: curves(run, PARITY_UPDATES) for m, run in runs.items()})
+        return
     if lane == "weights":
         save_lane(args, lane, start, sigma=settings["es"][0], correct=weight_space(args, folder, settings["es"][0]))
         return
@@ -590,31 +596,33 @@ def diversity_section(data: dict) -> list[str]:
 
 
 def budget(data: dict) -> list[str]:
-    """Budget parity, per method over every training lane: per update the sampled completions, the generated tokens
-    (tokens/s × rollout seconds, as the scripts log them), the passes, and the wall seconds."""
-    per: dict[str, list[tuple[float, float]]] = {}
-    pilot = tuple(data.get("pilot-es", {}).get("setting", ()))[:1]
-    again = {"es-s0", "grpo-s0"} | {lane for lane, d in data.items() if lane.startswith("diversity-") and (
-        d["setting"][0], d["setting"][2]) == (*pilot, ES_POP)}  # the pilots' runs, counted in the pilot lanes
-    for lane, d in data.items():
-        c = d.get("curves", {})
-        if "perf/rollout_s" in c and lane not in again:
-            method = "grpo" if "grpo" in lane else "es"
+    """Budget parity, per method: per update the sampled completions, the generated tokens (tokens/s × rollout
+    seconds, as the scripts log them), the passes, and the wall seconds; over every training lane, each run once, and
+    from lane parity alone."""
+    def table(title: str, runs: list[tuple[str, dict]]) -> list[str]:
+        per: dict[str, list[tuple[float, float]]] = {}
+        for method, c in runs:
             seconds = c.get("perf/iteration_s") or c.get("perf/step_s")
             per.setdefault(method, []).extend((r[1] * t[1], w[1]) for r, t, w in zip(
                 c["perf/rollout_s"], c["perf/tokens_per_s"], seconds))
-    if not per:
-        return []
-    passes = {"es": "8 members × 8 prompts, generation only; no backward",
+        lines = [title, "", "| method | updates | completions | generated tokens | passes | wall seconds |",
+                 "|---|---|---|---|---|---|"]
+        for method, rows in per.items():
+            tokens, seconds = np.array(rows).T
+            lines.append(f"| {method.upper()} | {len(rows)} | 64 | {tokens.mean():.0f} | {passes[method]} | "
+                         f"{seconds.mean():.1f} |")
+        return lines + [""] if per else []
+
+    passes = {"es": "N members × 64/N prompts, generation only; no backward",
               "grpo": "64 samples generated; 1 forward + backward over them (4 micro-batches of 16)"}
-    lines = ["## Budget per update (every training lane; wall time on the machine and load that ran it)", "",
-             "| method | updates | completions | generated tokens | passes | wall seconds |",
-             "|---|---|---|---|---|---|"]
-    for method, rows in per.items():
-        tokens, seconds = np.array(rows).T
-        lines.append(f"| {method.upper()} | {len(rows)} | 64 | {tokens.mean():.0f} | {passes[method]} | "
-                     f"{seconds.mean():.1f} |")
-    return lines + [""]
+    pilot = tuple(data.get("pilot-es", {}).get("setting", ()))[:1]
+    again = {"es-s0", "grpo-s0"} | {lane for lane, d in data.items() if lane.startswith("diversity-") and (
+        d["setting"][0], d["setting"][2]) == (*pilot, ES_POP)}  # the pilots' runs, counted in the pilot lanes
+    lines = table("## Budget per update (every training lane; wall time on the machine and load that ran it)",
+                  [("grpo" if "grpo" in lane else "es", d["curves"]) for lane, d in data.items()
+                   if "perf/rollout_s" in d.get("curves", {}) and lane not in again])
+    return lines + table(f"## Budget per update measured alone (lane parity: {PARITY_UPDATES} updates of each method "
+                         "from θ₀, nothing else on the machine)", list(data.get("parity", {}).get("curves", {}).items()))
 
 
 def write_report(args: Args) -> Path:

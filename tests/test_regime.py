@@ -140,6 +140,9 @@ def test_the_report_is_rebuilt_from_the_lane_files_alone(tmp_path: Path) -> None
         (tmp_path / "data" / f"{lane}.json").write_text(json.dumps({"lane": lane, "seconds": 0, "setting": setting,
             "curves": {"es/js_succ_bits": [[1, 0.5]], "perf/rollout_s": [[1, rollout]], "perf/tokens_per_s": [
                 [1, 100.0]], "perf/iteration_s": [[1, 5 * rollout]]}, "evals": {"16": evaluation([1, 0], 32)}}))
+    (tmp_path / "data" / "parity.json").write_text(json.dumps({"lane": "parity", "seconds": 0, "curves": {
+        "es": {"perf/rollout_s": [[1, 3.0]], "perf/tokens_per_s": [[1, 100.0]], "perf/iteration_s": [[1, 30.0]]},
+        "grpo": {"perf/rollout_s": [[1, 2.0]], "perf/tokens_per_s": [[1, 50.0]], "perf/step_s": [[1, 40.0]]}}}))
     args = regime.Args(report=True, data=str(tmp_path / "data"), docs=str(tmp_path / "docs"))
     regime.main(args)
     text = (tmp_path / "docs" / "results.md").read_text()
@@ -148,8 +151,11 @@ def test_the_report_is_rebuilt_from_the_lane_files_alone(tmp_path: Path) -> None
                  "## Token entropy", "| total | 140 |",
                  # seed 1 and diversity-0 (seed 0's run and diversity-6's, the chosen σ at N = 8, are the pilot's):
                  # ES tokens 2·100, 4·100, 1·100 → 233.3, seconds 10, 21, 5 → 12.0; GRPO 300 and 15.5
-                 "| ES | 3 | 64 | 233 | 8 members", "| 12.0 |", "| GRPO | 2 | 64 | 300 | 64 samples", "| 15.5 |",
-                 "## Diversity: ES runs with σ and N varied",
+                 "| ES | 3 | 64 | 233 | N members", "| 12.0 |", "| GRPO | 2 | 64 | 300 | 64 samples", "| 15.5 |",
+                 "## Diversity: ES runs with σ and N varied", "## Budget per update measured alone (lane parity: 8",
+                 "| ES | 1 | 64 | 300 | N members × 64/N prompts, generation only; no backward | 30.0 |",
+                 "| GRPO | 1 | 64 | 100 | 64 samples generated; 1 forward + backward over them (4 micro-batches of 16) | "
+                 "40.0 |",
                  "Lanes still to run: screen-chains20, es-s2, grpo-s2, es-s3, grpo-s3, es-s4, grpo-s4, weights, "
                  "heldout, sparsity, diversity-1, diversity-2, diversity-3, diversity-4, diversity-5, diversity-7, "
                  "diversity-8, diversity-9, diversity-10, diversity-11."):
@@ -413,6 +419,28 @@ def test_a_diversity_lane_trains_its_sigma_and_n_and_reuses_es_s0_for_the_chosen
     assert evaluated[1][1].endswith("es-s0/checkpoints/step_000016")
     saved = json.loads((tmp_path / "data" / "diversity-0.json").read_text())
     assert saved["setting"] == [1.25e-3, 2.5e-3, 4] and saved["curves"]["es/js_succ_bits"] == [[1, 0.1], [2, 0.2]]
+
+
+def test_the_parity_lane_trains_each_method_from_the_base_at_its_chosen_setting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trained = []
+
+    def train(args, method, label, updates, folder, setting, seed=0, pop=8):
+        trained.append((method, label, updates, setting, seed, pop))
+        run = tmp_path / "runs" / label
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": u, "perf/rollout_s": u}) + "\n"
+                                                   for u in range(1, 10)))
+        return run
+
+    lane_files(tmp_path / "data")
+    settings = regime.chosen(regime.loaded(regime.Args(data=str(tmp_path / "data"))))
+    monkeypatch.setattr(regime, "train", train)
+    monkeypatch.setattr(regime, "make_data", lambda args, name: tmp_path / "task")
+    regime.run_lane(regime.Args(out=str(tmp_path / "run"), data=str(tmp_path / "data")), "parity")
+    assert trained == [("es", "parity-es", 8, settings[0], 0, 8), ("grpo", "parity-grpo", 8, settings[1], 0, 8)]
+    saved = json.loads((tmp_path / "data" / "parity.json").read_text())["curves"]
+    assert saved["es"]["perf/rollout_s"] == saved["grpo"]["perf/rollout_s"] == [[u, u] for u in range(1, 9)]
 
 
 def test_a_seed_lane_trains_t_updates_and_evaluates_t_half_at_32_and_t_at_128(
