@@ -384,6 +384,14 @@ def test_the_sparsity_section_by_hand() -> None:
     assert lines[-2].endswith("undecided (MDE 33.5 pt at 80 % power).")
 
 
+def evaluated_folder(out: Path, name: str, n: int) -> Path:
+    """What evaluate() leaves: a passk.json of one model, two problems (one correct sample, none)."""
+    out.mkdir(parents=True)
+    (out / "passk.json").write_text(json.dumps({"n": n, "ks": k_grid(n), "results": {name: {"arith": evaluation(
+        [1, 0], n) | {"label": name}}}}))
+    return out
+
+
 def test_a_diversity_lane_trains_its_sigma_and_n_and_reuses_es_s0_for_the_chosen_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the search's ES choice (σ, α) = (2.5e-3, 2.5e-3) and T = 32: diversity-0 is σ = 1.25e-3, N = 4 (16 prompts),
@@ -402,11 +410,7 @@ def test_a_diversity_lane_trains_its_sigma_and_n_and_reuses_es_s0_for_the_chosen
 
     def evaluate(args, name, model, folder, n):
         evaluated.append((name, model, n))
-        out = tmp_path / "eval" / name
-        out.mkdir(parents=True)
-        (out / "passk.json").write_text(json.dumps({"n": n, "ks": k_grid(n), "results": {name: {"arith": evaluation(
-            [1, 0], n) | {"label": name}}}}))
-        return out
+        return evaluated_folder(tmp_path / "eval" / name, name, n)
 
     monkeypatch.setattr(regime, "train", train)
     monkeypatch.setattr(regime, "evaluate", evaluate)
@@ -462,11 +466,7 @@ def test_a_seed_lane_trains_t_updates_and_evaluates_t_half_at_32_and_t_at_128(
 
     def evaluate(args, name, model, folder, n):
         calls.append(("eval", name, Path(model).name, n))
-        out = tmp_path / "eval" / name
-        out.mkdir(parents=True)
-        (out / "passk.json").write_text(json.dumps({"n": n, "ks": k_grid(n), "results": {name: {"arith": evaluation(
-            [1, 0], n) | {"label": name}}}}))
-        return out
+        return evaluated_folder(tmp_path / "eval" / name, name, n)
 
     monkeypatch.setattr(regime, "train", train)
     monkeypatch.setattr(regime, "evaluate", evaluate)
