@@ -615,9 +615,9 @@ def budget(data: dict) -> list[str]:
 
     passes = {"es": "N members × 64/N prompts, generation only; no backward",
               "grpo": "64 samples generated; 1 forward + backward over them (4 micro-batches of 16)"}
-    pilot = tuple(data.get("pilot-es", {}).get("setting", ()))[:1]
+    sigma = data.get("pilot-es", {}).get("setting", [None])[0]  # the chosen σ: its N = 8 diversity run is es-s0's
     again = {"es-s0", "grpo-s0"} | {lane for lane, d in data.items() if lane.startswith("diversity-") and (
-        d["setting"][0], d["setting"][2]) == (*pilot, ES_POP)}  # the pilots' runs, counted in the pilot lanes
+        d["setting"][0], d["setting"][2]) == (sigma, ES_POP)}  # the pilots' runs, counted in the pilot lanes
     lines = table("## Budget per update (every training lane; wall time on the machine and load that ran it)",
                   [("grpo" if "grpo" in lane else "es", d["curves"]) for lane, d in data.items()
                    if "perf/rollout_s" in d.get("curves", {}) and lane not in again])
