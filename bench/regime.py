@@ -46,14 +46,19 @@ Design (written and committed before any trained model was evaluated):
               over every training lane (the load beside them varied), and from lane parity: PARITY_UPDATES updates of
               each method from θ₀ at the chosen settings, run with nothing else on the machine.
 
-Sub-studies, their rules fixed here before any of their numbers; their lanes run after the seeds: weights, heldout
-and sparsity (about 35, 30 and 50 minutes on 2 cores), diversity-0 … diversity-11 (about 22 minutes each at T = 32):
+Sub-studies, their rules fixed here before any of their numbers. Lanes heldout-sS and sparsity-sS read seed S's final
+models, so each runs right after that seed's lanes, on the machine that holds them (about 6 and 20 minutes); where
+they are gone it retrains them from the seed (a deterministic run, at the seed lanes' cost). SUB_SEEDS are 2–4: the
+checkpoints of seeds 0–1 went with an earlier machine, and retraining them would cost about two hours (changed on
+6 December 2026, before any held-out or sparsity number existed; the rules were seeds 0–2 and every seed). Then
+weights (about 35 minutes), heldout-base (3) and diversity-0 … diversity-11 (about 20 minutes each; diversity-6 is
+lane es-s0's run and costs nothing):
   sparsity    ES's update is α/N·Σ z_n ε_n with population z-scores (Σ z_n² = N), so after T updates (skipped ones
               not counted) a coordinate's change is N(0, s²), s = α·√(T/N), and |Δ| ≤ τ* = √2·erfinv(0.78)·s ≈ 1.227·s
-              holds for 78 % of them (the paper's share). ES θ_T of seeds 0–2: reset |Δ| ≤ τ* to θ₀, beside a control
+              holds for 78 % of them (the paper's share). ES θ_T of SUB_SEEDS: reset |Δ| ≤ τ* to θ₀, beside a control
               that resets as many coordinates drawn uniformly (seeded); pass@1 and pass@32 at n = 32. Row: θ_τ* −
               θ_random at pass@1, seed-level t, two-sided (the paper: the small changes carry little).
-  held out    ES and GRPO θ_T of every seed on "What is a * b?", a, b ≤ 15 (PRODUCTS, the findings study's; n = 8,
+  held out    ES and GRPO θ_T of SUB_SEEDS (and the base) on "What is a * b?", a, b ≤ 15 (PRODUCTS, the findings study's; n = 8,
               the first 100 test problems), scored as correct among the samples with a
               \boxed{} answer, so that learning the format cannot pass for no forgetting. Row: ES − GRPO, same seed.
   diversity   12 ES runs of seed 0 with (σ, N) varied on purpose (σ ∈ {1.25e-3, 2.5e-3, 5e-3, 1e-2} × N ∈ {4, 8, 16},
@@ -100,7 +105,7 @@ ES_POP = 8
 GRPO_LRS = (2e-5, 1e-5, 5e-5)  # the findings study's first
 HP_UPDATES, PILOT_UPDATES, PARITY_UPDATES, PROBLEMS, VALIDATION = 16, 64, 8, 100, 100
 TOKENS, BATCH = 32, 256
-RESET_SHARE, SPARSITY_SEEDS, MEMBERS, HELDOUT_N = 0.78, (0, 1, 2), 128, 8  # sub-studies (module docstring)
+RESET_SHARE, SUB_SEEDS, MEMBERS, HELDOUT_N = 0.78, (2, 3, 4), 128, 8  # sub-studies (module docstring)
 DIVERSITY = tuple((sigma, pop) for pop in (4, 8, 16) for sigma in (1.25e-3, 2.5e-3, 5e-3, 1e-2))
 PRODUCTS = ["--kind", "sums", "--seed", "1", "--ops", "*", "--max-number", "15", "--train", "25", "--test", "200"]
 CURVE_KEYS = ("train/reward_mean", "eval/reward", "eval/accuracy", "grpo/entropy", "es/js_succ_bits",
@@ -227,6 +232,21 @@ def weight_space(args: Args, folder: Path, sigma: float) -> list[str]:
     return ["".join(str(int(c)) for c in row) for row in correct]
 
 
+def final_model(args: Args, data: dict, method: str, seed: int) -> Path:
+    """θ_T of lane METHOD-sSEED: its checkpoint, retrained from the seed where this machine no longer holds it."""
+    require(f"{method}-s{seed}" in data, f"run lane {method}-s{seed} first: this lane reads its final model")
+    settings, updates = dict(zip(("es", "grpo"), chosen(data))), horizon(data)
+    run = train(args, method, f"{method}-s{seed}", updates, Path(args.out) / "data" / "val", settings[method], seed=seed)
+    return checkpoint(args, run.name, updates)
+
+
+def products(args: Args) -> Path:
+    """The held-out task's problems (data/products)."""
+    folder = Path(args.out) / "data" / "products"
+    run_step(args, "data-products", folder / "test.jsonl", ["bench/task_data.py", "--out", str(folder), *PRODUCTS])
+    return folder
+
+
 def reset_models(args: Args, data: dict, seed: int) -> tuple[dict, dict[str, Path]]:
     """ES θ_T of `seed` with every change |θ − θ₀| ≤ τ* reset to θ₀, and the control that resets as many coordinates
     drawn uniformly (seeded), as from_pretrained folders; τ* = z·α·√(T'/N), P(|Z| ≤ z) = RESET_SHARE, T' the updates
@@ -237,7 +257,7 @@ def reset_models(args: Args, data: dict, seed: int) -> tuple[dict, dict[str, Pat
     from common import derive_seed, load_weights, resolve_model
 
     (_, alpha), updates = chosen(data)[0], horizon(data)
-    final = checkpoint(args, f"es-s{seed}", updates)
+    final = final_model(args, data, "es", seed)
     skipped = int(sum(v for u, v in load_curves(final.parents[1], ["es/skipped"])["es/skipped"] if u <= updates))
     tau = NormalDist().inv_cdf(0.5 + RESET_SHARE / 2) * alpha * math.sqrt((updates - skipped) / ES_POP)
     theta, theta0 = load_weights(final), load_weights(resolve_model(args.model))
@@ -294,10 +314,11 @@ def curves(run: Path, last: int) -> dict:
 
 
 def lanes(args: Args) -> list[str]:
+    seeds = [f"{kind}-s{s}" for s in SEEDS for kind in ("es", "grpo", "heldout", "sparsity")
+             if kind in ("es", "grpo") or s in SUB_SEEDS]  # a seed's sub-study lanes right after its models
     return ([f"screen-{c}" for c in CANDIDATES] + ["base"] + [f"hp-es-{i}" for i in range(len(ES_GRID))]
-            + [f"hp-grpo-{i}" for i in range(len(GRPO_LRS))] + ["pilot-es", "pilot-grpo"]
-            + [f"{m}-s{s}" for s in SEEDS for m in ("es", "grpo")] + ["parity", "weights", "heldout", "sparsity"]
-            + [f"diversity-{i}" for i in range(len(DIVERSITY))])
+            + [f"hp-grpo-{i}" for i in range(len(GRPO_LRS))] + ["pilot-es", "pilot-grpo"] + seeds
+            + ["parity", "weights", "heldout-base"] + [f"diversity-{i}" for i in range(len(DIVERSITY))])
 
 
 def loaded(args: Args) -> dict[str, dict]:
@@ -358,36 +379,36 @@ def run_lane(args: Args, lane: str) -> None:
         return
     if lane.startswith("diversity-"):
         (sigma, pop), (chosen_sigma, alpha) = DIVERSITY[int(lane.rpartition("-")[2])], settings["es"]
-        updates, reuse = horizon(data) // 2, (sigma, pop) == (chosen_sigma, ES_POP)
-        run = train(args, "es", "es-s0" if reuse else lane, updates, val_dir, (sigma, alpha), pop=pop)
-        final = evaluate(args, f"es@0-t{updates}" if reuse else f"{lane}-t{updates}",  # es-s0's T/2 evaluation
-                         str(checkpoint(args, run.name, updates)), folder, 32)
+        updates = horizon(data) // 2
+        if (sigma, pop) == (chosen_sigma, ES_POP):  # seed 0 at the chosen setting: lane es-s0, its run and T/2 eval
+            require("es-s0" in data, f"lane {lane} is lane es-s0's run up to T/2: run es-s0 first")
+            d = data["es-s0"]
+            save_lane(args, lane, start, setting=[sigma, alpha, pop], curves={
+                key: [x for x in c if x[0] <= updates] for key, c in d["curves"].items()}, evals={
+                str(updates): d["evals"][str(updates)]})
+            return
+        run = train(args, "es", lane, updates, val_dir, (sigma, alpha), pop=pop)
+        final = evaluate(args, f"{lane}-t{updates}", str(checkpoint(args, run.name, updates)), folder, 32)
         save_lane(args, lane, start, setting=[sigma, alpha, pop], curves=curves(run, updates), evals={
             str(updates): evaluation(final)})
         return
-    if lane in ("heldout", "sparsity"):  # the final models of the seed lanes
-        pairs = [(m, s) for s in (SEEDS if lane == "heldout" else SPARSITY_SEEDS)
-                 for m in (("es", "grpo") if lane == "heldout" else ("es",))]
-        missing = [f"{m}-s{s}" for m, s in pairs if f"{m}-s{s}" not in data]
-        require(not missing, f"lane {lane} evaluates the seed lanes' final models: run {', '.join(missing)} first")
-    if lane == "heldout":
-        models = {"base": args.model} | {f"{m}@{s}": str(checkpoint(args, f"{m}-s{s}", horizon(data)))
-                                         for m, s in pairs}
-        products = Path(args.out) / "data" / "products"
-        run_step(args, "data-products", products / "test.jsonl", ["bench/task_data.py", "--out", str(products),
-                                                                    *PRODUCTS])
-        evals = {label: boxed_scores(evaluate(args, f"heldout-{label}", model, products, HELDOUT_N))
-                 for label, model in models.items()}
-        save_lane(args, lane, start, evals=evals)
+    if lane == "heldout-base":
+        save_lane(args, lane, start, evals={"base": boxed_scores(evaluate(args, "heldout-base", args.model,
+                                                                           products(args), HELDOUT_N))})
         return
-    if lane == "sparsity":
-        found = {}
-        for seed in SPARSITY_SEEDS:
-            info, models = reset_models(args, data, seed)
-            evals = {name: evaluation(evaluate(args, f"sparsity-es{seed}-{name}", str(model), folder, 32))
-                     for name, model in models.items()}
-            found[str(seed)] = info | {"evals": evals}
-        save_lane(args, lane, start, seeds=found)
+    if lane.startswith("heldout-s"):
+        seed = int(lane.rpartition("-s")[2])
+        models = {f"{m}@{seed}": final_model(args, data, m, seed) for m in ("es", "grpo")}
+        save_lane(args, lane, start, evals={label: boxed_scores(evaluate(args, f"heldout-{label}", str(model),
+                                                                         products(args), HELDOUT_N))
+                                            for label, model in models.items()})
+        return
+    if lane.startswith("sparsity-s"):
+        seed = int(lane.rpartition("-s")[2])
+        info, models = reset_models(args, data, seed)
+        save_lane(args, lane, start, **info, evals={
+            name: evaluation(evaluate(args, f"sparsity-es{seed}-{name}", str(model), folder, 32))
+            for name, model in models.items()})
         return
     if lane.startswith("pilot-"):
         run = train(args, method, f"{method}-s0", PILOT_UPDATES, val_dir, settings[method])
@@ -533,8 +554,8 @@ def weights_section(data: dict) -> list[str]:
 
 
 def sparsity_section(data: dict) -> list[str]:
-    """θ_τ* (ES's changes ≤ τ* reset) against θ_random (as many coordinates reset at random), seeds 0–2, n = 32."""
-    found = data["sparsity"]["seeds"]
+    """θ_τ* (ES's changes ≤ τ* reset) against θ_random (as many coordinates reset at random), SUB_SEEDS, n = 32."""
+    found = {lane.removeprefix("sparsity-s"): d for lane, d in data.items() if lane.startswith("sparsity-s")}
     report = {"task": "arith", "n": 32, "ks": next(iter(found.values()))["evals"]["tau"]["ks"], "results": {
         f"{name}@{seed}": {"arith": e} for seed, x in found.items() for name, e in x["evals"].items()}}
     lines = ["## Sparsity: ES θ_T with its changes |Δ| ≤ τ* reset, against as many coordinates reset at random "
@@ -556,7 +577,7 @@ def sparsity_section(data: dict) -> list[str]:
 
 def heldout_section(data: dict) -> list[str]:
     """Products a * b: each model's share of boxed samples and its accuracy among them; ES − GRPO, same seed."""
-    evals = data["heldout"]["evals"]
+    evals = {label: r for lane, d in data.items() if lane.startswith("heldout-") for label, r in d["evals"].items()}
     accuracy = {label: sum(r["correct"]) / max(sum(r["boxed"]), 1) for label, r in evals.items()}
     lines = [f"## Held out: products a * b, a, b ≤ 15 (n = {HELDOUT_N}; correct among the samples with a boxed "
              "answer)", "", "| model | boxed | correct among boxed |", "|---|---|---|"]

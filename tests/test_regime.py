@@ -156,9 +156,10 @@ def test_the_report_is_rebuilt_from_the_lane_files_alone(tmp_path: Path) -> None
                  "| ES | 1 | 64 | 300 | N members × 64/N prompts, generation only; no backward | 30.0 |",
                  "| GRPO | 1 | 64 | 100 | 64 samples generated; 1 forward + backward over them (4 micro-batches of 16) | "
                  "40.0 |",
-                 "Lanes still to run: screen-chains20, es-s2, grpo-s2, es-s3, grpo-s3, es-s4, grpo-s4, weights, "
-                 "heldout, sparsity, diversity-1, diversity-2, diversity-3, diversity-4, diversity-5, diversity-7, "
-                 "diversity-8, diversity-9, diversity-10, diversity-11."):
+                 "Lanes still to run: screen-chains20, es-s2, grpo-s2, heldout-s2, sparsity-s2, es-s3, grpo-s3, "
+                 "heldout-s3, sparsity-s3, es-s4, grpo-s4, heldout-s4, sparsity-s4, weights, heldout-base, "
+                 "diversity-1, diversity-2, diversity-3, diversity-4, diversity-5, diversity-7, diversity-8, "
+                 "diversity-9, diversity-10, diversity-11."):
         assert part in text, part
     assert (tmp_path / "docs" / "passk.png").stat().st_size > 10_000
     first = {f.name: f.read_bytes() for f in (tmp_path / "docs").iterdir()}
@@ -299,9 +300,11 @@ def test_the_weight_space_lane_asks_for_the_members_of_seed_0s_first_update(tmp_
     assert seen["prompts"] == [f"True: What is {a} + 1?" for a in range(3)] and seen["verdict"] == (1.0, True)
 
 
-def test_the_reset_models_reset_the_small_changes_and_as_many_at_random(tmp_path: Path, tiny_model: str) -> None:
+def test_the_reset_models_reset_the_small_changes_and_as_many_at_random(tmp_path: Path, tiny_model: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """τ* = z·α·√(T'/N) with P(|Z| ≤ z) = 0.78 (z by bisection on erf), T' = 32 − 1 skipped; θ_T = θ₀ + N(0, s²)
-    noise, so about 78 % of the coordinates are reset; the control resets exactly as many, elsewhere."""
+    noise, so about 78 % of the coordinates are reset; the control resets exactly as many, elsewhere. θ_T is lane
+    es-s0's final model, asked of train() (which retrains it only where this machine lacks it)."""
     import torch
 
     from common import HFPolicy, load_weights
@@ -321,7 +324,11 @@ def test_the_reset_models_reset_the_small_changes_and_as_many_at_random(tmp_path
     for p in policy.params.values():
         p.add_(torch.randn(p.shape, generator=generator) * s)
     policy.save(run / "checkpoints" / f"step_{T:06d}")
+    asked = []
+    monkeypatch.setattr(regime, "train", lambda args, method, label, updates, folder, setting, seed=0, pop=8: (
+        asked.append((method, label, updates, setting, seed, pop)) or run))
     info, folders = regime.reset_models(regime.Args(out=str(tmp_path / "run"), model=tiny_model), data, 0)
+    assert asked == [("es", "es-s0", T, regime.chosen(data)[0], 0, 8)]
     assert info["tau"] == pytest.approx(lo * s, rel=1e-6) and info["skipped"] == 1
     theta0, theta = load_weights(tiny_model), load_weights(run / "checkpoints" / f"step_{T:06d}")
     small = {k: (t - theta0[k]).abs() <= lo * s for k, t in theta.items()}
@@ -360,10 +367,11 @@ def test_the_sub_study_sections_by_hand() -> None:
     assert lines[4].endswith("| 50.0 |") and lines[5].endswith("| 75.0 |")
     assert lines[7] == ("At k = 128: reached by both 1, by weight space only 2, by token space only 1, by neither 0.")
     boxed = lambda b, c: {"boxed": b, "correct": c}  # noqa: E731
-    evals = {"base": boxed([8, 0], [4, 0])}
+    data = {"heldout-base": {"evals": {"base": boxed([8, 0], [4, 0])}}}
     for seed, (es, grpo) in enumerate(((12, 8), (8, 8), (10, 8))):  # of 16 boxed: 75 / 50, 50 / 50, 62.5 / 50 %
-        evals |= {f"es@{seed}": boxed([8, 8], [es - 4, 4]), f"grpo@{seed}": boxed([8, 8], [grpo - 4, 4])}
-    lines = regime.heldout_section({"heldout": {"evals": evals}})
+        data[f"heldout-s{seed}"] = {"evals": {f"es@{seed}": boxed([8, 8], [es - 4, 4]),
+                                              f"grpo@{seed}": boxed([8, 8], [grpo - 4, 4])}}
+    lines = regime.heldout_section(data)
     assert "| base | 50.0 % | 50.0 % |" in lines and "| es@0 | 100.0 % | 75.0 % |" in lines
     assert lines[-2] == ("ES − GRPO (same seed), correct among boxed: +12.5 [-18.6, +43.6] pt, seed-level t over 3 "
                          "seeds, two-sided p 0.225: undecided (MDE 38.7 pt at 80 % power).")
@@ -375,9 +383,8 @@ def test_the_sparsity_section_by_hand() -> None:
     mean 12.5, sd 10.83, t_0.975,2 = 4.303: [−14.4, +39.4]."""
     tau = evaluation([32, 16, 0, 8], 32)
     controls = ([16, 16, 0, 0], [32, 16, 0, 8], [8, 16, 0, 8])
-    found = {str(s): {"tau": 6e-3, "reset_share": 0.78, "skipped": s, "evals": {"tau": tau, "random": evaluation(
-        c, 32)}} for s, c in enumerate(controls)}
-    lines = regime.sparsity_section({"sparsity": {"seeds": found}})
+    lines = regime.sparsity_section({f"sparsity-s{s}": {"tau": 6e-3, "reset_share": 0.78, "skipped": s, "evals": {
+        "tau": tau, "random": evaluation(c, 32)}} for s, c in enumerate(controls)})
     assert lines[4] == "| 0 | 0.006 | 78.0 % | 0 | 43.8 | 25.0 | 75.0 | 50.0 |"
     assert lines[-2].startswith("θ_τ* − θ_random at pass@1 (same seed): +12.5 [-14.4, +39.4] pt, seed-level t over 3 "
                                 "seeds, two-sided p 0.18")
@@ -395,8 +402,8 @@ def evaluated_folder(out: Path, name: str, n: int) -> Path:
 def test_a_diversity_lane_trains_its_sigma_and_n_and_reuses_es_s0_for_the_chosen_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the search's ES choice (σ, α) = (2.5e-3, 2.5e-3) and T = 32: diversity-0 is σ = 1.25e-3, N = 4 (16 prompts),
-    diversity-5 is the chosen σ at N = 8, the run of lane es-s0 and its evaluation at T/2; each trains T/2 = 16
-    updates, is evaluated at n = 32 and written to --data with its curves up to update 16."""
+    trained T/2 = 16 updates and evaluated at n = 32, written to --data with its curves up to update 16; diversity-5,
+    the chosen σ at N = 8, is lane es-s0's run: its curves up to update 16 and its T/2 evaluation, nothing run."""
     lane_files(tmp_path / "data")
     trained, evaluated = [], []
 
@@ -418,11 +425,14 @@ def test_a_diversity_lane_trains_its_sigma_and_n_and_reuses_es_s0_for_the_chosen
     args = regime.Args(out=str(tmp_path / "run"), data=str(tmp_path / "data"))
     for lane in ("diversity-0", "diversity-5"):
         regime.run_lane(args, lane)
-    assert trained == [("diversity-0", 16, (1.25e-3, 2.5e-3), 4), ("es-s0", 16, (2.5e-3, 2.5e-3), 8)]
-    assert [(name, n) for name, _, n in evaluated] == [("diversity-0-t16", 32), ("es@0-t16", 32)]
-    assert evaluated[1][1].endswith("es-s0/checkpoints/step_000016")
+    assert trained == [("diversity-0", 16, (1.25e-3, 2.5e-3), 4)]
+    assert [(name, n) for name, _, n in evaluated] == [("diversity-0-t16", 32)]
+    assert evaluated[0][1].endswith("diversity-0/checkpoints/step_000016")
     saved = json.loads((tmp_path / "data" / "diversity-0.json").read_text())
     assert saved["setting"] == [1.25e-3, 2.5e-3, 4] and saved["curves"]["es/js_succ_bits"] == [[1, 0.1], [2, 0.2]]
+    reused, es_s0 = (json.loads((tmp_path / "data" / f"{x}.json").read_text()) for x in ("diversity-5", "es-s0"))
+    assert reused["setting"] == [2.5e-3, 2.5e-3, 8] and reused["evals"] == {"16": es_s0["evals"]["16"]}
+    assert reused["curves"]["train/reward_mean"] == es_s0["curves"]["train/reward_mean"][:16]
 
 
 def test_the_parity_lane_trains_each_method_from_the_base_at_its_chosen_setting(
@@ -496,3 +506,56 @@ def test_the_diversity_section_by_hand() -> None:
     assert lines[5] == "| diversity-1 | 0.002 | 8 | 0.200 | 25.0 | 25.0 |"
     assert lines[-2] == ("Spearman ρ (mean JS diversity, pass@32) over 4 runs: +0.80, one-sided permutation p 0.167 (the "
                          "smallest these ties allow: 0.042): undecided.")
+
+
+def test_the_sub_study_lanes_of_a_seed_read_its_final_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """heldout-s1: ES's and GRPO's θ_T of seed 1 (asked of train(), which retrains only a missing run), each on the
+    products at n = HELDOUT_N, scored among boxed answers; heldout-base: the base alike; sparsity-s1: the two reset
+    models of ES seed 1 at n = 32, with τ*'s facts. A seed whose lanes are not in --data is refused."""
+    lane_files(tmp_path / "data")
+    data = regime.loaded(regime.Args(data=str(tmp_path / "data")))
+    settings, calls = dict(zip(("es", "grpo"), regime.chosen(data))), []
+
+    def train(args, method, label, updates, folder, setting, seed=0, pop=8):
+        calls.append(("train", label, updates, setting, seed, folder.name))
+        return tmp_path / "run" / "runs" / label
+
+    def evaluate(args, name, model, folder, n):
+        calls.append(("eval", name, str(model), folder.name, n))
+        return evaluated_folder(tmp_path / "eval" / name, name, n)
+
+    def reset_models(args, data, seed):
+        calls.append(("reset", seed))
+        return {"tau": 1e-3, "reset_share": 0.78, "skipped": 2}, {x: tmp_path / x for x in ("tau", "random")}
+
+    monkeypatch.setattr(regime, "train", train)
+    monkeypatch.setattr(regime, "evaluate", evaluate)
+    monkeypatch.setattr(regime, "reset_models", reset_models)
+    scores = {"heldout-es@1": 5, "heldout-grpo@1": 3, "heldout-base": 1}  # correct of 8 boxed, by evaluation
+    monkeypatch.setattr(regime, "boxed_scores", lambda folder: {"boxed": [8], "correct": [scores[folder.name]]})
+    monkeypatch.setattr(regime, "products", lambda args: tmp_path / "products")
+    monkeypatch.setattr(regime, "make_data", lambda args, name: tmp_path / "task")
+    args = regime.Args(out=str(tmp_path / "run"), data=str(tmp_path / "data"), model="base-model")
+    for lane in ("heldout-s1", "heldout-base", "sparsity-s1"):
+        regime.run_lane(args, lane)
+    final = lambda label: str(tmp_path / "run" / "runs" / label / "checkpoints" / "step_000032")  # noqa: E731
+    assert calls == [("train", "es-s1", 32, settings["es"], 1, "val"),
+                     ("train", "grpo-s1", 32, settings["grpo"], 1, "val"),
+                     ("eval", "heldout-es@1", final("es-s1"), "products", regime.HELDOUT_N),
+                     ("eval", "heldout-grpo@1", final("grpo-s1"), "products", regime.HELDOUT_N),
+                     ("eval", "heldout-base", "base-model", "products", regime.HELDOUT_N), ("reset", 1),
+                     ("eval", "sparsity-es1-tau", str(tmp_path / "tau"), "task", 32),
+                     ("eval", "sparsity-es1-random", str(tmp_path / "random"), "task", 32)]
+    saved = regime.loaded(regime.Args(data=str(tmp_path / "data")))
+    assert saved["heldout-s1"]["evals"] == {"es@1": {"boxed": [8], "correct": [5]},
+                                            "grpo@1": {"boxed": [8], "correct": [3]}}
+    assert saved["heldout-base"]["evals"] == {"base": {"boxed": [8], "correct": [1]}}
+    sparsity = saved["sparsity-s1"]
+    assert (sparsity["tau"], sparsity["reset_share"], sparsity["skipped"]) == (1e-3, 0.78, 2)
+    assert sparsity["evals"]["tau"]["n"] == sparsity["evals"]["random"]["n"] == 32
+    assert "## Sparsity" in "\n".join(regime.sparsity_section(saved))  # the section reads the lane as written
+    assert {"| base | 100.0 % | 12.5 % |", "| es@1 | 100.0 % | 62.5 % |", "| grpo@1 | 100.0 % | 37.5 % |"} <= set(
+        regime.heldout_section(saved))
+    (tmp_path / "data" / "grpo-s1.json").unlink()
+    with pytest.raises(SystemExit, match="run lane grpo-s1 first"):
+        regime.run_lane(args, "heldout-s1")
