@@ -547,17 +547,20 @@ def weights_section(data: dict) -> list[str]:
                     (f"weight space: greedy θ₀ + σ·ε_n, {members['n']} members, σ = {w['sigma']}", members)):
         v = per_problem(r, r["n"], ks)[:, 1:].mean(0)
         lines.append(f"| {name} | " + " | ".join(f"{100 * x:.1f}" for x in v) + " |")
-    token, weight = np.array(base["correct_counts"]) > 0, np.array(counts) > 0
-    return lines + ["", f"At k = {max(ks)}: reached by both {(token & weight).sum()}, by weight space only "
-                    f"{(weight & ~token).sum()}, by token space only {(token & ~weight).sum()}, by neither "
-                    f"{(~token & ~weight).sum()}.", ""]
+    return lines + ["", f"At k = {max(ks)}: {reach(data)}.", ""]
+
+
+def reach(data: dict) -> str:
+    """Which test problems weight space (any member right) and token space (any of the base's samples) reach."""
+    token = np.array(data["base"]["evals"]["base"]["correct_counts"]) > 0
+    weight = np.array([any(member[x] == "1" for member in data["weights"]["correct"]) for x in range(len(token))])
+    return (f"reached by both {(token & weight).sum()}, by weight space only {(weight & ~token).sum()}, by token "
+            f"space only {(token & ~weight).sum()}, by neither {(~token & ~weight).sum()}")
 
 
 def sparsity_section(data: dict) -> list[str]:
     """θ_τ* (ES's changes ≤ τ* reset) against θ_random (as many coordinates reset at random), SUB_SEEDS, n = 32."""
     found = {lane.removeprefix("sparsity-s"): d for lane, d in data.items() if lane.startswith("sparsity-s")}
-    report = {"task": "arith", "n": 32, "ks": next(iter(found.values()))["evals"]["tau"]["ks"], "results": {
-        f"{name}@{seed}": {"arith": e} for seed, x in found.items() for name, e in x["evals"].items()}}
     lines = ["## Sparsity: ES θ_T with its changes |Δ| ≤ τ* reset, against as many coordinates reset at random "
              "(n = 32)", "", "| seed | τ* | reset share | skipped updates | pass@1 θ_τ* | pass@1 θ_random | "
              "pass@32 θ_τ* | pass@32 θ_random |", "|---|---|---|---|---|---|---|---|"]
@@ -566,53 +569,93 @@ def sparsity_section(data: dict) -> list[str]:
                                           for e in (x["evals"]["tau"], x["evals"]["random"]))
         lines.append(f"| {seed} | {x['tau']:.3g} | {100 * x['reset_share']:.1f} % | {x['skipped']} | {tau1:.1f} | "
                      f"{rand1:.1f} | {tau32:.1f} | {rand32:.1f} |")
-    row = seeded_row("θ_τ* − θ_random at pass@1", report, "tau", "random", "pass@1", None)
-    if "p" in row:
-        p2 = min(1.0, 2 * min(row["p"], row["p_opp"]))
-        lines += ["", f"{row['name']} (same seed): {100 * row['mean']:+.1f} [{100 * row['ci'][0]:+.1f}, "
-                  f"{100 * row['ci'][1]:+.1f}] pt, seed-level t over {row['units']} seeds, two-sided p {p_text(p2)}: "
-                  f"{verdict(row['mean'], p2, row['sd'], row['units'])}."]
+    test = sparsity_test(data)
+    if test is not None:
+        lines += ["", f"θ_τ* − θ_random at pass@1 (same seed): {test['text']}, seed-level t over {test['units']} "
+                  f"seeds, two-sided p {p_text(test['p2'])}: {test['verdict']}."]
     return lines + [""]
+
+
+def sparsity_test(data: dict) -> Optional[dict]:
+    """θ_τ* − θ_random at pass@1, seed by seed (each seed's mean over the problems; ≥ 2 seeds)."""
+    found = [d["evals"] for lane, d in data.items() if lane.startswith("sparsity-s")]
+    effects = np.array([np.mean(per_problem(e["tau"], e["tau"]["n"], [1])[:, 1] - per_problem(
+        e["random"], e["random"]["n"], [1])[:, 1]) for e in found])
+    return tested(effects) if len(effects) >= 2 else None
 
 
 def heldout_section(data: dict) -> list[str]:
     """Products a * b: each model's share of boxed samples and its accuracy among them; ES − GRPO, same seed."""
     evals = {label: r for lane, d in data.items() if lane.startswith("heldout-") for label, r in d["evals"].items()}
-    accuracy = {label: sum(r["correct"]) / max(sum(r["boxed"]), 1) for label, r in evals.items()}
+    accuracy = heldout_accuracy(data)
     lines = [f"## Held out: products a * b, a, b ≤ 15 (n = {HELDOUT_N}; correct among the samples with a boxed "
              "answer)", "", "| model | boxed | correct among boxed |", "|---|---|---|"]
     lines += [f"| {label} | {100 * sum(r['boxed']) / (HELDOUT_N * len(r['boxed'])):.1f} % | "
               f"{100 * accuracy[label]:.1f} % |" for label, r in evals.items()]
-    effects = np.array([accuracy[f"es@{s}"] - accuracy[f"grpo@{s}"] for s in SEEDS
-                        if f"es@{s}" in accuracy and f"grpo@{s}" in accuracy])
-    if len(effects) >= 2:
-        sd, half = effects.std(ddof=1), t_quantile(0.975, len(effects) - 1) * effects.std(ddof=1) / len(effects) ** .5
-        p2 = min(1.0, 2 * min(t_test(effects)))
-        lines += ["", f"ES − GRPO (same seed), correct among boxed: {100 * effects.mean():+.1f} "
-                  f"[{100 * (effects.mean() - half):+.1f}, {100 * (effects.mean() + half):+.1f}] pt, seed-level t over "
-                  f"{len(effects)} seeds, two-sided p {p_text(p2)}: {verdict(effects.mean(), p2, sd, len(effects))}."]
+    test = heldout_test(data)
+    if test is not None:
+        lines += ["", f"ES − GRPO (same seed), correct among boxed: {test['text']}, seed-level t over {test['units']} "
+                  f"seeds, two-sided p {p_text(test['p2'])}: {test['verdict']}."]
     return lines + [""]
 
 
+def tested(effects: np.ndarray) -> dict:
+    """A sub-study's two-sided seed-level t test (df = S − 1) at ALPHA, not in the endpoints' family: the mean, its
+    95 % interval as text, p and the verdict (with its MDE while undecided)."""
+    sd, units = float(effects.std(ddof=1)), len(effects)
+    half, p2 = t_quantile(0.975, units - 1) * sd / units ** .5, min(1.0, 2 * min(t_test(effects)))
+    mean = float(effects.mean())
+    return {"effects": effects, "units": units, "mean": mean, "p2": p2, "verdict": verdict(mean, p2, sd, units),
+            "text": f"{100 * mean:+.1f} [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}] pt"}
+
+
+def heldout_accuracy(data: dict) -> dict[str, float]:
+    """Each held-out model's accuracy among its samples with a boxed answer."""
+    return {label: sum(r["correct"]) / max(sum(r["boxed"]), 1) for lane, d in data.items()
+            if lane.startswith("heldout-") for label, r in d["evals"].items()}
+
+
+def heldout_test(data: dict) -> Optional[dict]:
+    """ES − GRPO in accuracy among boxed answers, seed by seed (≥ 2 seeds with both)."""
+    accuracy = heldout_accuracy(data)
+    effects = np.array([accuracy[f"es@{s}"] - accuracy[f"grpo@{s}"] for s in SEEDS
+                        if f"es@{s}" in accuracy and f"grpo@{s}" in accuracy])
+    return tested(effects) if len(effects) >= 2 else None
+
+
+def diversity_points(data: dict) -> dict[str, tuple[float, float, float]]:
+    """Per diversity lane: the mean JS diversity over its updates, pass@1 and pass@32 of its θ_{T/2}."""
+    points = {}
+    for lane, d in data.items():
+        if lane.startswith("diversity-"):
+            e = next(iter(d["evals"].values()))
+            v = per_problem(e, e["n"], e["ks"]).mean(0)
+            points[lane] = (float(np.mean([x for _, x in d["curves"]["es/js_succ_bits"]])), float(v[1]), float(v[-1]))
+    return points
+
+
+def diversity_test(data: dict) -> Optional[tuple[float, float, float, str]]:
+    """Spearman ρ (mean JS diversity, pass@32) over the diversity runs (≥ 3), its one-sided permutation p, the
+    smallest p these ties allow, and the verdict."""
+    points = diversity_points(data)
+    if len(points) < 3:
+        return None
+    js, _, top = np.array(list(points.values())).T
+    rho, p, best = spearman(js, top)
+    return rho, p, best, "more diversity, higher pass@32" if p <= ALPHA else "undecided"
+
+
 def diversity_section(data: dict) -> list[str]:
-    """The diversity runs: (σ, N), their mean JS diversity over the updates, pass@1 and pass@32 of θ_{T/2}; Spearman
-    ρ."""
-    runs = {lane: d for lane, d in data.items() if lane.startswith("diversity-")}
+    """The diversity runs: (σ, N), their mean JS diversity, pass@1 and pass@32 of θ_{T/2}; Spearman ρ."""
+    points, test = diversity_points(data), diversity_test(data)
     lines = ["## Diversity: ES runs with σ and N varied (seed 0, n = 32 at θ_{T/2})", "",
              "| lane | σ | N | mean JS diversity (bits) | pass@1 | pass@32 |", "|---|---|---|---|---|---|"]
-    js, top = [], []
-    for lane, d in runs.items():
-        e = next(iter(d["evals"].values()))
-        v = per_problem(e, e["n"], e["ks"]).mean(0)
-        js.append(np.mean([x for _, x in d["curves"]["es/js_succ_bits"]]))
-        top.append(v[-1])
-        lines.append(f"| {lane} | {d['setting'][0]:g} | {d['setting'][2]} | {js[-1]:.3f} | {100 * v[1]:.1f} | "
-                     f"{100 * v[-1]:.1f} |")
-    if len(runs) >= 3:
-        rho, p, best = spearman(np.array(js), np.array(top))
-        lines += ["", f"Spearman ρ (mean JS diversity, pass@32) over {len(runs)} runs: {rho:+.2f}, one-sided "
-                  f"permutation p {p_text(p)} (the smallest these ties allow: {p_text(best)}): "
-                  + ("more diversity, higher pass@32" if p <= ALPHA else "undecided") + "."]
+    lines += [f"| {lane} | {data[lane]['setting'][0]:g} | {data[lane]['setting'][2]} | {js:.3f} | {100 * one:.1f} | "
+              f"{100 * top:.1f} |" for lane, (js, one, top) in points.items()]
+    if test is not None:
+        rho, p, best, found = test
+        lines += ["", f"Spearman ρ (mean JS diversity, pass@32) over {len(points)} runs: {rho:+.2f}, one-sided "
+                  f"permutation p {p_text(p)} (the smallest these ties allow: {p_text(best)}): {found}."]
     return lines + [""]
 
 
@@ -646,13 +689,54 @@ def budget(data: dict) -> list[str]:
                          "from θ₀, nothing else on the machine)", list(data.get("parity", {}).get("curves", {}).items()))
 
 
+def claims(args: Args, data: dict) -> list[str]:
+    """The study's answers, one row a claim (the README's table): the four endpoints, the sub-studies' tests, and the
+    two descriptive rows; a row whose lanes have not run says so."""
+    final = report_of(data) if "base" in data else None
+    rows = {r["name"][:2]: r for r in endpoints(final)} if final is not None else {}
+    questions = {"E1": "Does GRPO's coverage at large k fall below the base's? (E1: GRPO − base at pass@128)",
+                 "E2": "Does ES's? (E2: ES − base at pass@128)",
+                 "E3": "How do ES and GRPO compare at large k? (E3: ES − GRPO at pass@128, same seed)",
+                 "E4": "… and at pass@1? (E4: ES − GRPO at pass@1, same seed)"}
+    lines = ["| claim | per seed (points) | mean [95 % seed-level t] | p two-sided (Holm) | verdict |",
+             "|---|---|---|---|---|"]
+    for key, question in questions.items():
+        r = rows.get(key)
+        lines.append(f"| {question} | not run yet | | | |" if r is None else
+                     f"| {question} | " + " / ".join(f"{100 * m:+.1f}" for m in r["effects"]) + " | "
+                     + (f"{100 * r['mean']:+.1f} [{100 * r['ci'][0]:+.1f}, {100 * r['ci'][1]:+.1f}] | "
+                        f"{p_text(r['p2'])} ({p_text(r['holm'])}) | " if "ci" in r else f"{100 * r['mean']:+.1f} | | ")
+                     + f"{r['verdict']} |")
+    for question, test in (("Held out, products: ES − GRPO in accuracy among boxed answers (same seed; its own "
+                            "test, not in the four)", heldout_test(data)),
+                           ("Sparsity: ES θ_T with its changes ≤ τ* reset − as many reset at random, pass@1 (same "
+                            "seed; its own test)", sparsity_test(data))):
+        lines.append(f"| {question} | not run yet | | | |" if test is None else
+                     f"| {question} | " + " / ".join(f"{100 * m:+.1f}" for m in test["effects"]) +
+                     f" | {test['text'].removesuffix(' pt')} | {p_text(test['p2'])} | {test['verdict']} |")
+    test = diversity_test(data)
+    lines.append("| Diversity: more JS diversity, higher pass@32 (Spearman ρ over the ES runs with σ, N varied; "
+                 f"one-sided permutation p) | {len(diversity_points(data))} of {len(DIVERSITY)} runs | "
+                 + ("| | |" if test is None else f"ρ = {test[0]:+.2f} | {p_text(test[1])} | {test[3]} |"))
+    updates = horizon(data) if "pilot-grpo" in data else None
+    at_t = {m: [d["entropy"][str(updates)] for lane, d in data.items() if lane.startswith(f"{m}-s")]
+            for m in ("es", "grpo")}
+    lines.append(f"| Token entropy at update T (nats; descriptive) | GRPO " + " / ".join(
+        f"{v:.2f}" for v in at_t["grpo"]) + "; ES " + " / ".join(f"{v:.2f}" for v in at_t["es"]) + " | base "
+        + (f"{data['base']['entropy']['base']:.2f}" if "base" in data else "—") + " | | |")
+    lines.append("| Weight space against token space from the base, k = 128 (descriptive) | "
+                 + (f"{reach(data)} | | | |" if "weights" in data and "base" in data else "not run yet | | | |"))
+    return lines
+
+
 def write_report(args: Args) -> Path:
     data, docs = loaded(args), Path(args.docs)
     require(bool(data), f"{args.data} holds no lane yet: run the study first")
     docs.mkdir(parents=True, exist_ok=True)
     lines = ["# Regime study: ES and GRPO trained long on a multi-step task, pass@k to k = 128", "",
              "Written by `python bench/regime.py --report` from docs/regime/data/ alone; the design and the rules are "
-             "bench/regime.py's docstring, committed before any trained model was evaluated.", ""]
+             "bench/regime.py's docstring, committed before any trained model was evaluated.", "",
+             "## Claims (the README's table)", "", *claims(args, data), ""]
     screens = {lane.removeprefix("screen-"): d["evals"]["base"] for lane, d in data.items()
                if lane.startswith("screen-")}
     if screens:
