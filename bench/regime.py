@@ -58,9 +58,9 @@ lane es-s0's run and costs nothing):
               holds for 78 % of them (the paper's share). ES θ_T of SUB_SEEDS: reset |Δ| ≤ τ* to θ₀, beside a control
               that resets as many coordinates drawn uniformly (seeded); pass@1 and pass@32 at n = 32. Row: θ_τ* −
               θ_random at pass@1, seed-level t, two-sided (the paper: the small changes carry little).
-  held out    ES and GRPO θ_T of SUB_SEEDS (and the base) on "What is a * b?", a, b ≤ 15 (PRODUCTS, the findings study's; n = 8,
-              the first 100 test problems), scored as correct among the samples with a
-              \boxed{} answer, so that learning the format cannot pass for no forgetting. Row: ES − GRPO, same seed.
+  held out    ES and GRPO θ_T of SUB_SEEDS, and the base, on "What is a * b?", a, b ≤ 15 (PRODUCTS, the findings
+              study's; n = 8, the first 100 test problems), scored as correct among the samples with a \boxed{}
+              answer, so that learning the format cannot pass for no forgetting. Row: ES − GRPO, same seed.
   diversity   12 ES runs of seed 0 with (σ, N) varied on purpose (σ ∈ {1.25e-3, 2.5e-3, 5e-3, 1e-2} × N ∈ {4, 8, 16},
               64 completions an update: 64/N prompts; α the chosen one; the chosen σ at N = 8 is lane es-s0's run and
               its T/2 evaluation), T/2 updates each (T would cost 12 × 35 minutes, past the study's budget; set before
