@@ -398,9 +398,9 @@ def run_lane(args: Args, lane: str) -> None:
         return
     if lane.startswith("heldout-s"):
         seed = int(lane.rpartition("-s")[2])
-        models = {f"{m}@{seed}": final_model(args, data, m, seed) for m in ("es", "grpo")}
+        models, problems = {f"{m}@{seed}": final_model(args, data, m, seed) for m in ("es", "grpo")}, products(args)
         save_lane(args, lane, start, evals={label: boxed_scores(evaluate(args, f"heldout-{label}", str(model),
-                                                                         products(args), HELDOUT_N))
+                                                                         problems, HELDOUT_N))
                                             for label, model in models.items()})
         return
     if lane.startswith("sparsity-s"):
@@ -586,8 +586,7 @@ def sparsity_test(data: dict) -> Optional[dict]:
 
 def heldout_section(data: dict) -> list[str]:
     """Products a * b: each model's share of boxed samples and its accuracy among them; ES − GRPO, same seed."""
-    evals = {label: r for lane, d in data.items() if lane.startswith("heldout-") for label, r in d["evals"].items()}
-    accuracy = heldout_accuracy(data)
+    evals, accuracy = heldout_evals(data), heldout_accuracy(data)
     lines = [f"## Held out: products a * b, a, b ≤ 15 (n = {HELDOUT_N}; correct among the samples with a boxed "
              "answer)", "", "| model | boxed | correct among boxed |", "|---|---|---|"]
     lines += [f"| {label} | {100 * sum(r['boxed']) / (HELDOUT_N * len(r['boxed'])):.1f} % | "
@@ -609,10 +608,14 @@ def tested(effects: np.ndarray) -> dict:
             "text": f"{100 * mean:+.1f} [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}] pt"}
 
 
+def heldout_evals(data: dict) -> dict[str, dict]:
+    """Every held-out model's boxed scores (lanes heldout-base and heldout-sS), by label."""
+    return {label: r for lane, d in data.items() if lane.startswith("heldout-") for label, r in d["evals"].items()}
+
+
 def heldout_accuracy(data: dict) -> dict[str, float]:
     """Each held-out model's accuracy among its samples with a boxed answer."""
-    return {label: sum(r["correct"]) / max(sum(r["boxed"]), 1) for lane, d in data.items()
-            if lane.startswith("heldout-") for label, r in d["evals"].items()}
+    return {label: sum(r["correct"]) / max(sum(r["boxed"]), 1) for label, r in heldout_evals(data).items()}
 
 
 def heldout_test(data: dict) -> Optional[dict]:
@@ -689,11 +692,10 @@ def budget(data: dict) -> list[str]:
                          "from θ₀, nothing else on the machine)", list(data.get("parity", {}).get("curves", {}).items()))
 
 
-def claims(args: Args, data: dict) -> list[str]:
-    """The study's answers, one row a claim (the README's table): the four endpoints, the sub-studies' tests, and the
-    two descriptive rows; a row whose lanes have not run says so."""
-    final = report_of(data) if "base" in data else None
-    rows = {r["name"][:2]: r for r in endpoints(final)} if final is not None else {}
+def claims(data: dict, endpoint_rows: list[dict]) -> list[str]:
+    """The study's answers, one row a claim (the README's table): the four endpoints (endpoints()'s rows), the
+    sub-studies' tests, and the two descriptive rows; a row whose lanes have not run says so."""
+    rows = {r["name"][:2]: r for r in endpoint_rows}
     questions = {"E1": "Does GRPO's coverage at large k fall below the base's? (E1: GRPO − base at pass@128)",
                  "E2": "Does ES's? (E2: ES − base at pass@128)",
                  "E3": "How do ES and GRPO compare at large k? (E3: ES − GRPO at pass@128, same seed)",
@@ -718,8 +720,7 @@ def claims(args: Args, data: dict) -> list[str]:
     lines.append("| Diversity: more JS diversity, higher pass@32 (Spearman ρ over the ES runs with σ, N varied; "
                  f"one-sided permutation p) | {len(diversity_points(data))} of {len(DIVERSITY)} runs | "
                  + ("| | |" if test is None else f"ρ = {test[0]:+.2f} | {p_text(test[1])} | {test[3]} |"))
-    updates = horizon(data) if "pilot-grpo" in data else None
-    at_t = {m: [d["entropy"][str(updates)] for lane, d in data.items() if lane.startswith(f"{m}-s")]
+    at_t = {m: [d["entropy"][str(d["updates"])] for lane, d in data.items() if lane.startswith(f"{m}-s")]
             for m in ("es", "grpo")}
     lines.append(f"| Token entropy at update T (nats; descriptive) | GRPO " + " / ".join(
         f"{v:.2f}" for v in at_t["grpo"]) + "; ES " + " / ".join(f"{v:.2f}" for v in at_t["es"]) + " | base "
@@ -733,10 +734,12 @@ def write_report(args: Args) -> Path:
     data, docs = loaded(args), Path(args.docs)
     require(bool(data), f"{args.data} holds no lane yet: run the study first")
     docs.mkdir(parents=True, exist_ok=True)
+    final = report_of(data) if "base" in data else None
+    rows = endpoints(final) if final is not None else []  # the endpoints' tests, once: the claims and their table
     lines = ["# Regime study: ES and GRPO trained long on a multi-step task, pass@k to k = 128", "",
              "Written by `python bench/regime.py --report` from docs/regime/data/ alone; the design and the rules are "
              "bench/regime.py's docstring, committed before any trained model was evaluated.", "",
-             "## Claims (the README's table)", "", *claims(args, data), ""]
+             "## Claims (the README's table)", "", *claims(data, rows), ""]
     screens = {lane.removeprefix("screen-"): d["evals"]["base"] for lane, d in data.items()
                if lane.startswith("screen-")}
     if screens:
@@ -770,9 +773,7 @@ def write_report(args: Args) -> Path:
             lines.append("")
     if "pilot-grpo" in data:
         lines += [f"T (the pilot's rule): {horizon(data)} updates.", ""]
-    final = report_of(data) if "base" in data else None
     if final is not None:
-        rows = endpoints(final)
         lines += ["## Endpoints", "", "| endpoint | mean [95 % seed-level t] | per seed | p (two-sided) | Holm p | "
                   "verdict |", "|---|---|---|---|---|---|"]
         for r in rows:

@@ -570,7 +570,7 @@ def test_the_claims_table_states_each_endpoint_and_sub_study_by_brute_force(tmp_
     data = regime.loaded(regime.Args(data=str(tmp_path / "data")))
     solved = lambda lane, key: np.mean(np.array(data[lane]["evals"][key]["correct_counts"]) > 0)  # noqa: E731
     e1 = [100 * (solved(f"grpo-s{s}", "32") - solved("base", "base")) for s in (0, 1)]
-    lines = regime.claims(regime.Args(data=str(tmp_path / "data")), data)
+    lines = regime.claims(data, regime.endpoints(regime.report_of(data)))
     assert lines[2].startswith("| Does GRPO's coverage at large k fall below the base's? (E1: GRPO − base at "
                                f"pass@128) | {e1[0]:+.1f} / {e1[1]:+.1f} | {np.mean(e1):+.1f} [")
     assert all(line.endswith("| not run yet | | | |") for line in lines[6:8])
@@ -581,7 +581,7 @@ def test_the_claims_table_states_each_endpoint_and_sub_study_by_brute_force(tmp_
     data |= {"heldout-base": {"evals": {"base": boxed([8, 0], [4, 0])}}} | {
         f"heldout-s{seed}": {"evals": {f"es@{seed}": boxed([8, 8], [es - 4, 4]), f"grpo@{seed}": boxed([8, 8], [4, 4])}}
         for seed, es in enumerate((12, 8, 10))}
-    assert regime.claims(regime.Args(), data)[6].endswith(
+    assert regime.claims(data, [])[6].endswith(
         "| +25.0 / +0.0 / +12.5 | +12.5 [-18.6, +43.6] | 0.225 | undecided (MDE 38.7 pt at 80 % power) |")
 
 
