@@ -576,11 +576,16 @@ def sparsity_section(data: dict) -> list[str]:
     return lines + [""]
 
 
-def sparsity_test(data: dict) -> Optional[dict]:
-    """θ_τ* − θ_random at pass@1, seed by seed (each seed's mean over the problems; ≥ 2 seeds)."""
+def sparsity_effects(data: dict) -> np.ndarray:
+    """θ_τ* − θ_random at pass@1, seed by seed (each seed's mean over the problems)."""
     found = [d["evals"] for lane, d in data.items() if lane.startswith("sparsity-s")]
-    effects = np.array([np.mean(per_problem(e["tau"], e["tau"]["n"], [1])[:, 1] - per_problem(
+    return np.array([np.mean(per_problem(e["tau"], e["tau"]["n"], [1])[:, 1] - per_problem(
         e["random"], e["random"]["n"], [1])[:, 1]) for e in found])
+
+
+def sparsity_test(data: dict) -> Optional[dict]:
+    """The sparsity row's test (≥ 2 seeds)."""
+    effects = sparsity_effects(data)
     return tested(effects) if len(effects) >= 2 else None
 
 
@@ -618,11 +623,16 @@ def heldout_accuracy(data: dict) -> dict[str, float]:
     return {label: sum(r["correct"]) / max(sum(r["boxed"]), 1) for label, r in heldout_evals(data).items()}
 
 
-def heldout_test(data: dict) -> Optional[dict]:
-    """ES − GRPO in accuracy among boxed answers, seed by seed (≥ 2 seeds with both)."""
+def heldout_effects(data: dict) -> np.ndarray:
+    """ES − GRPO in accuracy among boxed answers, seed by seed (the seeds with both)."""
     accuracy = heldout_accuracy(data)
-    effects = np.array([accuracy[f"es@{s}"] - accuracy[f"grpo@{s}"] for s in SEEDS
-                        if f"es@{s}" in accuracy and f"grpo@{s}" in accuracy])
+    return np.array([accuracy[f"es@{s}"] - accuracy[f"grpo@{s}"] for s in SEEDS
+                     if f"es@{s}" in accuracy and f"grpo@{s}" in accuracy])
+
+
+def heldout_test(data: dict) -> Optional[dict]:
+    """The held-out row's test (≥ 2 seeds with both)."""
+    effects = heldout_effects(data)
     return tested(effects) if len(effects) >= 2 else None
 
 
@@ -709,20 +719,22 @@ def claims(data: dict, endpoint_rows: list[dict]) -> list[str]:
                      + (f"{100 * r['mean']:+.1f} [{100 * r['ci'][0]:+.1f}, {100 * r['ci'][1]:+.1f}] | "
                         f"{p_text(r['p2'])} ({p_text(r['holm'])}) | " if "ci" in r else f"{100 * r['mean']:+.1f} | | ")
                      + f"{r['verdict']} |")
-    for question, test in (("Held out, products: ES − GRPO in accuracy among boxed answers (same seed; its own "
-                            "test, not in the four)", heldout_test(data)),
-                           ("Sparsity: ES θ_T with its changes ≤ τ* reset − as many reset at random, pass@1 (same "
-                            "seed; its own test)", sparsity_test(data))):
-        lines.append(f"| {question} | not run yet | | | |" if test is None else
-                     f"| {question} | " + " / ".join(f"{100 * m:+.1f}" for m in test["effects"]) +
-                     f" | {test['text'].removesuffix(' pt')} | {p_text(test['p2'])} | {test['verdict']} |")
+    for question, effects in (("Held out, products: ES − GRPO in accuracy among boxed answers (same seed; its own "
+                               "test, not in the four)", heldout_effects(data)),
+                              ("Sparsity: ES θ_T with its changes ≤ τ* reset − as many reset at random, pass@1 (same "
+                               "seed; its own test)", sparsity_effects(data))):
+        test = tested(effects) if len(effects) >= 2 else None
+        lines.append(f"| {question} | not run yet | | | |" if not len(effects) else
+                     f"| {question} | " + " / ".join(f"{100 * m:+.1f}" for m in effects) + " | " + (
+                         f"{len(effects)} of {len(SUB_SEEDS)} seeds | | |" if test is None else
+                         f"{test['text'].removesuffix(' pt')} | {p_text(test['p2'])} | {test['verdict']} |"))
     test = diversity_test(data)
     lines.append("| Diversity: more JS diversity, higher pass@32 (Spearman ρ over the ES runs with σ, N varied; "
                  f"one-sided permutation p) | {len(diversity_points(data))} of {len(DIVERSITY)} runs | "
                  + ("| | |" if test is None else f"ρ = {test[0]:+.2f} | {p_text(test[1])} | {test[3]} |"))
     at_t = {m: [d["entropy"][str(d["updates"])] for lane, d in data.items() if lane.startswith(f"{m}-s")]
             for m in ("es", "grpo")}
-    lines.append(f"| Token entropy at update T (nats; descriptive) | GRPO " + " / ".join(
+    lines.append("| Token entropy at update T (nats; descriptive) | GRPO " + " / ".join(
         f"{v:.2f}" for v in at_t["grpo"]) + "; ES " + " / ".join(f"{v:.2f}" for v in at_t["es"]) + " | base "
         + (f"{data['base']['entropy']['base']:.2f}" if "base" in data else "—") + " | | |")
     lines.append("| Weight space against token space from the base, k = 128 (descriptive) | "

@@ -565,7 +565,8 @@ def test_the_sub_study_lanes_of_a_seed_read_its_final_models(tmp_path: Path, mon
 def test_the_claims_table_states_each_endpoint_and_sub_study_by_brute_force(tmp_path: Path) -> None:
     """The README's table from lane files: E1 per seed is GRPO's share of problems with any correct sample minus the
     base's (pass@128 from n = 128: 1[any correct]), counted here by hand; the held-out row is the section's test
-    (by hand above: +12.5 [-18.6, +43.6], p 0.225); rows whose lanes have not run say so."""
+    (by hand above: +12.5 [-18.6, +43.6], p 0.225; with one seed, its effect alone); rows whose lanes have not run say
+    so."""
     lane_files(tmp_path / "data")
     data = regime.loaded(regime.Args(data=str(tmp_path / "data")))
     solved = lambda lane, key: np.mean(np.array(data[lane]["evals"][key]["correct_counts"]) > 0)  # noqa: E731
@@ -578,6 +579,8 @@ def test_the_claims_table_states_each_endpoint_and_sub_study_by_brute_force(tmp_
     assert lines[9] == ("| Token entropy at update T (nats; descriptive) | GRPO 0.10 / 0.10; ES 0.90 / 0.90 | base 1.20 "
                         "| | |")
     boxed = lambda b, c: {"boxed": b, "correct": c}  # noqa: E731
+    one = data | {"heldout-s0": {"evals": {"es@0": boxed([8, 8], [8, 4]), "grpo@0": boxed([8, 8], [4, 4])}}}
+    assert regime.claims(one, [])[6].endswith("| +25.0 | 1 of 3 seeds | | |")  # one seed: its effect, no test yet
     data |= {"heldout-base": {"evals": {"base": boxed([8, 0], [4, 0])}}} | {
         f"heldout-s{seed}": {"evals": {f"es@{seed}": boxed([8, 8], [es - 4, 4]), f"grpo@{seed}": boxed([8, 8], [4, 4])}}
         for seed, es in enumerate((12, 8, 10))}
