@@ -398,7 +398,8 @@ def run_lane(args: Args, lane: str) -> None:
         return
     if lane.startswith("heldout-s"):
         seed = int(lane.rpartition("-s")[2])
-        models, problems = {f"{m}@{seed}": final_model(args, data, m, seed) for m in ("es", "grpo")}, products(args)
+        models = {f"{m}@{seed}": final_model(args, data, m, seed) for m in ("es", "grpo")}
+        problems = products(args)
         save_lane(args, lane, start, evals={label: boxed_scores(evaluate(args, f"heldout-{label}", str(model),
                                                                          problems, HELDOUT_N))
                                             for label, model in models.items()})
@@ -569,7 +570,7 @@ def sparsity_section(data: dict) -> list[str]:
                                           for e in (x["evals"]["tau"], x["evals"]["random"]))
         lines.append(f"| {seed} | {x['tau']:.3g} | {100 * x['reset_share']:.1f} % | {x['skipped']} | {tau1:.1f} | "
                      f"{rand1:.1f} | {tau32:.1f} | {rand32:.1f} |")
-    test = sparsity_test(data)
+    test = tested(sparsity_effects(data))
     if test is not None:
         lines += ["", f"θ_τ* − θ_random at pass@1 (same seed): {test['text']}, seed-level t over {test['units']} "
                   f"seeds, two-sided p {p_text(test['p2'])}: {test['verdict']}."]
@@ -583,12 +584,6 @@ def sparsity_effects(data: dict) -> np.ndarray:
         e["random"], e["random"]["n"], [1])[:, 1]) for e in found])
 
 
-def sparsity_test(data: dict) -> Optional[dict]:
-    """The sparsity row's test (≥ 2 seeds)."""
-    effects = sparsity_effects(data)
-    return tested(effects) if len(effects) >= 2 else None
-
-
 def heldout_section(data: dict) -> list[str]:
     """Products a * b: each model's share of boxed samples and its accuracy among them; ES − GRPO, same seed."""
     evals, accuracy = heldout_evals(data), heldout_accuracy(data)
@@ -596,20 +591,22 @@ def heldout_section(data: dict) -> list[str]:
              "answer)", "", "| model | boxed | correct among boxed |", "|---|---|---|"]
     lines += [f"| {label} | {100 * sum(r['boxed']) / (HELDOUT_N * len(r['boxed'])):.1f} % | "
               f"{100 * accuracy[label]:.1f} % |" for label, r in evals.items()]
-    test = heldout_test(data)
+    test = tested(heldout_effects(data))
     if test is not None:
         lines += ["", f"ES − GRPO (same seed), correct among boxed: {test['text']}, seed-level t over {test['units']} "
                   f"seeds, two-sided p {p_text(test['p2'])}: {test['verdict']}."]
     return lines + [""]
 
 
-def tested(effects: np.ndarray) -> dict:
+def tested(effects: np.ndarray) -> Optional[dict]:
     """A sub-study's two-sided seed-level t test (df = S − 1) at ALPHA, not in the endpoints' family: the mean, its
-    95 % interval as text, p and the verdict (with its MDE while undecided)."""
+    95 % interval as text, p and the verdict (with its MDE while undecided); None below two seeds."""
+    if len(effects) < 2:
+        return None
     sd, units = float(effects.std(ddof=1)), len(effects)
     half, p2 = t_quantile(0.975, units - 1) * sd / units ** .5, min(1.0, 2 * min(t_test(effects)))
     mean = float(effects.mean())
-    return {"effects": effects, "units": units, "mean": mean, "p2": p2, "verdict": verdict(mean, p2, sd, units),
+    return {"units": units, "mean": mean, "p2": p2, "verdict": verdict(mean, p2, sd, units),
             "text": f"{100 * mean:+.1f} [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}] pt"}
 
 
@@ -628,12 +625,6 @@ def heldout_effects(data: dict) -> np.ndarray:
     accuracy = heldout_accuracy(data)
     return np.array([accuracy[f"es@{s}"] - accuracy[f"grpo@{s}"] for s in SEEDS
                      if f"es@{s}" in accuracy and f"grpo@{s}" in accuracy])
-
-
-def heldout_test(data: dict) -> Optional[dict]:
-    """The held-out row's test (≥ 2 seeds with both)."""
-    effects = heldout_effects(data)
-    return tested(effects) if len(effects) >= 2 else None
 
 
 def diversity_points(data: dict) -> dict[str, tuple[float, float, float]]:
@@ -723,7 +714,7 @@ def claims(data: dict, endpoint_rows: list[dict]) -> list[str]:
                                "test, not in the four)", heldout_effects(data)),
                               ("Sparsity: ES θ_T with its changes ≤ τ* reset − as many reset at random, pass@1 (same "
                                "seed; its own test)", sparsity_effects(data))):
-        test = tested(effects) if len(effects) >= 2 else None
+        test = tested(effects)
         lines.append(f"| {question} | not run yet | | | |" if not len(effects) else
                      f"| {question} | " + " / ".join(f"{100 * m:+.1f}" for m in effects) + " | " + (
                          f"{len(effects)} of {len(SUB_SEEDS)} seeds | | |" if test is None else
