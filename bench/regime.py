@@ -40,6 +40,10 @@ Design (written and committed before any trained model was evaluated):
               A rejected endpoint reads "above" or "below" by its sign; the others "undecided" with their minimum
               detectable effect at 80 % power at their Holm level. pass@128 from n = 128 samples is 1[any correct]:
               the estimator's 0/1 case; the report says for which k it has n ≥ 4k (k ≤ 32).
+  seeds       SEEDS stays at five (decided on 7 December 2026, after the five pairs were in and evaluated;
+              the design said "≥ 5, more if the first pairs show the effect within reach", with no number): each
+              undecided endpoint's verdict says how many seeds its MDE would need to reach the mean seen; at five
+              pairs E1–E3 need 10–11, five or six more pairs at 2.2–2.6 hours each, past the study's budget.
   coverage    at k = 128, seed by seed: test problems solved by both / ES only / GRPO only / neither, and what each
               method gained and lost against the base's solved set.
   parity      per method and update: completions, generated tokens, passes, wall seconds (from the scripts' perf/ log),
@@ -89,7 +93,7 @@ from common import HFPolicy, Problem, load_task, render_prompt, require, write_a
 from harness import cli, load_curves  # noqa: E402
 from eval_passk import per_problem, seed_interval, t_quantile  # noqa: E402
 
-from stats import ALPHA, holm, mde, seeded_row, seeds_of, spearman, t_test  # noqa: E402
+from stats import ALPHA, holm, mde, seeded_row, seeds_of, spearman, t_test, units_needed  # noqa: E402
 from study import COLORS, p_text, run_step, write_json  # noqa: E402
 from task_data import split_twins  # noqa: E402
 
@@ -460,9 +464,11 @@ def endpoints(final: dict) -> list[dict]:
         adjusted, levels = holm([min(1.0, 2 * min(r["p"], r["p_opp"])) for r in family], ALPHA)
         for r, p_holm, level in zip(family, adjusted, levels):
             r |= {"p2": min(1.0, 2 * min(r["p"], r["p_opp"])), "holm": float(p_holm),
-                  "mde": mde(r["sd"], r["units"], level / 2)}
+                  "mde": mde(r["sd"], r["units"], level / 2),
+                  "needed": units_needed(r["sd"], abs(r["mean"]), level / 2)}  # if the mean seen were the effect
             r["verdict"] = (("above" if r["mean"] > 0 else "below") if p_holm <= ALPHA else
-                            f"undecided (MDE {100 * r['mde']:.1f} pt at 80 % power)")
+                            f"undecided (MDE {100 * r['mde']:.1f} pt at 80 % power; the mean seen would need "
+                            + (f"{r['needed']} seeds)" if r["needed"] else "over 100 000 seeds)"))
     return rows
 
 

@@ -95,6 +95,12 @@ def test_endpoints_are_two_sided_seed_level_t_tests_under_holm() -> None:
     level = dict(zip([r["name"] for r in noisy], stats.holm([r["p2"] for r in noisy])[1]))[e2["name"]]
     assert e2["verdict"].startswith("undecided (MDE") and e2["mde"] == pytest.approx(
         stats.mde(e2["sd"], 5, level / 2))
+    assert e2["needed"] is None and e2["verdict"].endswith("would need over 100 000 seeds)")  # mean 0: no number
+    small = regime.endpoints(final_report([24, 26, 22, 27, 24], grpo, 25))  # ES − base: mean −0.4 problems, sd 1.95
+    e2 = next(r for r in small if r["name"].startswith("E2"))
+    level = dict(zip([r["name"] for r in small], stats.holm([r["p2"] for r in small])[1]))[e2["name"]]
+    needed = next(u for u in range(2, 10_000) if stats.mde(e2["sd"], u, level / 2) <= 0.4 / 40)  # brute force, |mean|
+    assert e2["needed"] == needed and e2["verdict"].endswith(f"the mean seen would need {needed} seeds)")
 
 
 def test_coverage_counts_each_seeds_problems_by_brute_force() -> None:
