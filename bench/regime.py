@@ -460,11 +460,12 @@ def endpoints(final: dict) -> list[dict]:
             seeded_row("E4 ES − GRPO at pass@1 (same seed)", final, "es", "grpo", "pass@1", None)]
     rows = [r for r in rows if r is not None]
     family = [r for r in rows if "p" in r]
+    for r in family:
+        r["p2"] = min(1.0, 2 * min(r["p"], r["p_opp"]))
     if family:
-        adjusted, levels = holm([min(1.0, 2 * min(r["p"], r["p_opp"])) for r in family], ALPHA)
+        adjusted, levels = holm([r["p2"] for r in family], ALPHA)
         for r, p_holm, level in zip(family, adjusted, levels):
-            r |= {"p2": min(1.0, 2 * min(r["p"], r["p_opp"])), "holm": float(p_holm),
-                  "mde": mde(r["sd"], r["units"], level / 2),
+            r |= {"holm": float(p_holm), "mde": mde(r["sd"], r["units"], level / 2),
                   "needed": units_needed(r["sd"], abs(r["mean"]), level / 2)}  # if the mean seen were the effect
             r["verdict"] = (("above" if r["mean"] > 0 else "below") if p_holm <= ALPHA else
                             f"undecided (MDE {100 * r['mde']:.1f} pt at 80 % power; the mean seen would need "
