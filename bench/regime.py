@@ -55,8 +55,8 @@ models, so each runs right after that seed's lanes, on the machine that holds th
 they are gone it retrains them from the seed (a deterministic run, at the seed lanes' cost). SUB_SEEDS are 2–4: the
 checkpoints of seeds 0–1 went with an earlier machine, and retraining them would cost about two hours (changed on
 6 December 2026, before any held-out or sparsity number existed; the rules were seeds 0–2 and every seed). Then
-weights (about 35 minutes), heldout-base (3) and diversity-0 … diversity-11 (about 20 minutes each; diversity-6 is
-lane es-s0's run and costs nothing):
+weights (planned at about 35 minutes, measured 72), heldout-base (3) and diversity-0 … diversity-11 (planned at about
+20 minutes each, measured 23–24; diversity-6 is lane es-s0's run and costs nothing):
   sparsity    ES's update is α/N·Σ z_n ε_n with population z-scores (Σ z_n² = N), so after T updates (skipped ones
               not counted) a coordinate's change is N(0, s²), s = α·√(T/N), and |Δ| ≤ τ* = √2·erfinv(0.78)·s ≈ 1.227·s
               holds for 78 % of them (the paper's share). ES θ_T of SUB_SEEDS: reset |Δ| ≤ τ* to θ₀, beside a control
@@ -87,6 +87,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import HFPolicy, Problem, load_task, render_prompt, require, write_atomic  # noqa: E402
@@ -230,9 +231,13 @@ def weight_space(args: Args, folder: Path, sigma: float) -> list[str]:
     problems = load_task("arith", "test", str(folder))[:PROBLEMS]
     prompts = [render_prompt("arith", p, policy.tokenizer, True) for p in problems]
     seeds, signs = es.member_seeds(0, 0, MEMBERS, False)
-    print(f"weight space: {MEMBERS} members × {len(prompts)} problems, greedy, σ = {sigma}", flush=True)
-    _, correct, _ = es_lowrank.evaluate_population(policy, Master(policy.params), prompts, lambda i, text: score(
-        "arith", problems[i], text), seeds, signs, sigma, TOKENS, 0.0, [0] * MEMBERS)
+    master, group = Master(policy.params), max(1, BATCH // len(prompts))  # members per generate, as it groups them
+    correct = []
+    for start in tqdm(range(0, MEMBERS, group), desc=f"weight space (σ = {sigma}, {group} members a call)"):
+        part = slice(start, start + group)
+        _, rows, _ = es_lowrank.evaluate_population(policy, master, prompts, lambda i, text: score(
+            "arith", problems[i], text), seeds[part], signs[part], sigma, TOKENS, 0.0, [0] * len(seeds[part]))
+        correct.extend(rows)
     return ["".join(str(int(c)) for c in row) for row in correct]
 
 

@@ -280,12 +280,14 @@ def test_the_weight_space_lane_asks_for_the_members_of_seed_0s_first_update(tmp_
     import es
     import es_lowrank
 
-    seen = {}
+    seen, calls = {}, []
+    verdicts = dict(zip(es.member_seeds(0, 0, 4, False)[0], ([1, 0, 1], [0, 0, 1], [1, 1, 1], [0, 0, 0])))
 
     def population(engine, master, prompts, reward_fn, seeds, signs, sigma, max_new_tokens, temperature, sample_seeds):
-        seen.update(prompts=prompts, seeds=list(seeds), signs=signs.tolist(), sigma=sigma, tokens=max_new_tokens,
-                    temperature=temperature, verdict=reward_fn(1, "so \\boxed{2}"))
-        return None, np.array([[1, 0, 1], [0, 0, 1], [1, 1, 1], [0, 0, 0]]), {}
+        calls.append((list(seeds), signs.tolist(), list(sample_seeds)))
+        seen.update(prompts=prompts, sigma=sigma, tokens=max_new_tokens, temperature=temperature,
+                    verdict=reward_fn(1, "so \\boxed{2}"))
+        return None, np.array([verdicts[s] for s in seeds]), {}
 
     class Policy:
         def __init__(self, model: str, batch_size: int) -> None:
@@ -297,11 +299,13 @@ def test_the_weight_space_lane_asks_for_the_members_of_seed_0s_first_update(tmp_
     monkeypatch.setattr(common, "Master", lambda params: None)
     monkeypatch.setattr(regime, "MEMBERS", 4)
     monkeypatch.setattr(regime, "PROBLEMS", 3)
+    monkeypatch.setattr(regime, "BATCH", 7)  # two members (six rows) a call, as evaluate_population would group them
     (tmp_path / "test.jsonl").write_text("".join(json.dumps({"question": f"What is {a} + 1?", "answer": f"#### {a + 1}"})
                                                  + "\n" for a in range(5)))
     got = regime.weight_space(regime.Args(model="m"), tmp_path, 5e-3)
     assert got == ["101", "001", "111", "000"]
-    assert seen["seeds"] == es.member_seeds(0, 0, 4, False)[0] and seen["signs"] == [1.0] * 4
+    member_seeds = es.member_seeds(0, 0, 4, False)[0]
+    assert calls == [(member_seeds[:2], [1.0] * 2, [0] * 2), (member_seeds[2:], [1.0] * 2, [0] * 2)]
     assert (seen["sigma"], seen["tokens"], seen["temperature"]) == (5e-3, regime.TOKENS, 0.0)
     assert seen["prompts"] == [f"True: What is {a} + 1?" for a in range(3)] and seen["verdict"] == (1.0, True)
 
