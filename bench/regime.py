@@ -94,7 +94,7 @@ from common import HFPolicy, Problem, load_task, render_prompt, require, write_a
 from harness import cli, load_curves  # noqa: E402
 from eval_passk import per_problem, seed_interval, t_quantile  # noqa: E402
 
-from stats import ALPHA, holm, mde, seeded_row, seeds_of, spearman, t_test, units_needed  # noqa: E402
+from stats import ALPHA, holm, mde, seeded_row, seeds_of, spearman, spearman_mde, t_test, units_needed  # noqa: E402
 from study import COLORS, p_text, run_step, write_json  # noqa: E402
 from task_data import split_twins  # noqa: E402
 
@@ -658,7 +658,9 @@ def diversity_test(data: dict) -> Optional[tuple[float, float, float, str]]:
         return None
     js, _, top = np.array(list(points.values())).T
     rho, p, best = spearman(js, top)
-    return rho, p, best, "more diversity, higher pass@32" if p <= ALPHA else "undecided"
+    n = len(points)
+    return rho, p, best, ("more diversity, higher pass@32" if p <= ALPHA else
+                          f"undecided (MDE ρ = {spearman_mde(n, ALPHA):.2f} at 80 % power over {n} runs)")
 
 
 def diversity_section(data: dict) -> list[str]:

@@ -191,6 +191,22 @@ def test_spearman_exact_permutation_p_and_the_smallest_attainable() -> None:
     assert stats.spearman(np.arange(3.0), np.arange(3.0))[2] == pytest.approx(1 / 6)  # 3 runs: never below 0.05
 
 
+def test_spearman_mde_by_hand_and_the_power_of_the_permutation_test_there() -> None:
+    """n = 12, α = 0.05: z_0.95 + z_0.8 = 1.6449 + 0.8416 = 2.4865; ρ = 0.7321 gives atanh(ρ) = ½·ln(1.7321/0.2679) =
+    0.9333, and 0.9333·√9/√(1 + 0.7321²/2) = 2.7998/1.1261 = 2.4864. Then the test it stands for, simulated: 1000
+    draws of 12 bivariate normal pairs whose Spearman ρ is that MDE (Pearson r = 2·sin(π·ρ/6)), each judged by
+    stats.spearman's one-sided permutation p ≤ 0.05: power 0.8 or a little more (the formula errs high)."""
+    assert stats.spearman_mde(12, 0.05) == pytest.approx(0.7321, abs=1e-4)
+    assert stats.spearman_mde(3, 0.05) is None  # n − 3 = 0: no variance to speak of
+    assert stats.spearman_mde(20, 0.05) < stats.spearman_mde(12, 0.05) < stats.spearman_mde(12, 0.01)
+    r = 2 * math.sin(math.pi * stats.spearman_mde(12, 0.05) / 6)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1000, 12))
+    y = r * x + math.sqrt(1 - r**2) * rng.standard_normal((1000, 12))
+    power = np.mean([stats.spearman(a, b, permutations=2000, seed=i)[1] <= 0.05 for i, (a, b) in enumerate(zip(x, y))])
+    assert 0.78 <= power <= 0.93
+
+
 def test_judge_holds_opposite_and_undecided_with_its_power() -> None:
     """K = 3. Claimed direction: p = 0.004 (×3 = 0.012: holds), 0.03 (×2 = 0.06: not), 0.9999. The other direction:
     0.0001 (×3: opposite). The undecided row at its Holm step level α' = 0.05/2, 3 seeds, sd 0.05 (of points/100):
