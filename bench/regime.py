@@ -245,7 +245,8 @@ def final_model(args: Args, data: dict, method: str, seed: int) -> Path:
     """θ_T of lane METHOD-sSEED: its checkpoint, retrained from the seed where this machine no longer holds it."""
     require(f"{method}-s{seed}" in data, f"run lane {method}-s{seed} first: this lane reads its final model")
     settings, updates = dict(zip(("es", "grpo"), chosen(data))), horizon(data)
-    run = train(args, method, f"{method}-s{seed}", updates, Path(args.out) / "data" / "val", settings[method], seed=seed)
+    val_dir = Path(args.out) / "data" / "val"
+    run = train(args, method, f"{method}-s{seed}", updates, val_dir, settings[method], seed=seed)
     return checkpoint(args, run.name, updates)
 
 
@@ -703,8 +704,9 @@ def budget(data: dict) -> list[str]:
     lines = table("## Budget per update (every training lane; wall time on the machine and load that ran it)",
                   [("grpo" if "grpo" in lane else "es", d["curves"]) for lane, d in data.items()
                    if "perf/rollout_s" in d.get("curves", {}) and lane not in again])
+    alone = list(data.get("parity", {}).get("curves", {}).items())
     return lines + table(f"## Budget per update measured alone (lane parity: {PARITY_UPDATES} updates of each method "
-                         "from θ₀, nothing else on the machine)", list(data.get("parity", {}).get("curves", {}).items()))
+                         "from θ₀, nothing else on the machine)", alone)
 
 
 def claims(data: dict, endpoint_rows: list[dict]) -> list[str]:
