@@ -56,7 +56,7 @@ they are gone it retrains them from the seed (a deterministic run, at the seed l
 checkpoints of seeds 0–1 went with an earlier machine, and retraining them would cost about two hours (changed on
 6 December 2026, before any held-out or sparsity number existed; the rules were seeds 0–2 and every seed). Then
 weights (planned at about 35 minutes, measured 72), heldout-base (3) and diversity-0 … diversity-11 (planned at about
-20 minutes each, measured 23–24; diversity-6 is lane es-s0's run and costs nothing):
+20 minutes each, measured 23–30 at N ≤ 8 and 38 at N = 16; diversity-6 is lane es-s0's run and costs nothing):
   sparsity    ES's update is α/N·Σ z_n ε_n with population z-scores (Σ z_n² = N), so after T updates (skipped ones
               not counted) a coordinate's change is N(0, s²), s = α·√(T/N), and |Δ| ≤ τ* = √2·erfinv(0.78)·s ≈ 1.227·s
               holds for 78 % of them (the paper's share). ES θ_T of SUB_SEEDS: reset |Δ| ≤ τ* to θ₀, beside a control
