@@ -231,12 +231,17 @@ def weight_space(args: Args, folder: Path, sigma: float) -> list[str]:
     problems = load_task("arith", "test", str(folder))[:PROBLEMS]
     prompts = [render_prompt("arith", p, policy.tokenizer, True) for p in problems]
     seeds, signs = es.member_seeds(0, 0, MEMBERS, False)
-    master, group = Master(policy.params), max(1, BATCH // len(prompts))  # members per generate, as it groups them
+    master = Master(policy.params)
+    group = max(1, policy.batch_size // len(prompts))  # evaluate_population's members per generate: a bar step each
+
+    def verdict(i: int, text: str) -> tuple[float, bool]:
+        return score("arith", problems[i], text)
+
     correct = []
     for start in tqdm(range(0, MEMBERS, group), desc=f"weight space (σ = {sigma}, {group} members a call)"):
         part = slice(start, start + group)
-        _, rows, _ = es_lowrank.evaluate_population(policy, master, prompts, lambda i, text: score(
-            "arith", problems[i], text), seeds[part], signs[part], sigma, TOKENS, 0.0, [0] * len(seeds[part]))
+        _, rows, _ = es_lowrank.evaluate_population(policy, master, prompts, verdict, seeds[part], signs[part], sigma,
+                                                    TOKENS, 0.0, [0] * len(seeds[part]))
         correct.extend(rows)
     return ["".join(str(int(c)) for c in row) for row in correct]
 

@@ -291,7 +291,7 @@ def test_the_weight_space_lane_asks_for_the_members_of_seed_0s_first_update(tmp_
 
     class Policy:
         def __init__(self, model: str, batch_size: int) -> None:
-            self.tokenizer, self.params = None, {}
+            self.tokenizer, self.params, self.batch_size = None, {}, batch_size
 
     monkeypatch.setattr(es_lowrank, "evaluate_population", population)
     monkeypatch.setattr(regime, "HFPolicy", Policy)
