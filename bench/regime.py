@@ -56,7 +56,7 @@ they are gone it retrains them from the seed (a deterministic run, at the seed l
 checkpoints of seeds 0–1 went with an earlier machine, and retraining them would cost about two hours (changed on
 6 December 2026, before any held-out or sparsity number existed; the rules were seeds 0–2 and every seed). Then
 weights (planned at about 35 minutes, measured 72), heldout-base (3) and diversity-0 … diversity-11 (planned at about
-20 minutes each, measured 23–30 at N ≤ 8 and 38 at N = 16; diversity-6 is lane es-s0's run and costs nothing):
+20 minutes each, measured 23–30 at N ≤ 8 and 32–38 at N = 16; diversity-6 is lane es-s0's run and costs nothing):
   sparsity    ES's update is α/N·Σ z_n ε_n with population z-scores (Σ z_n² = N), so after T updates (skipped ones
               not counted) a coordinate's change is N(0, s²), s = α·√(T/N), and |Δ| ≤ τ* = √2·erfinv(0.78)·s ≈ 1.227·s
               holds for 78 % of them (the paper's share). ES θ_T of SUB_SEEDS: reset |Δ| ≤ τ* to θ₀, beside a control
@@ -674,8 +674,9 @@ def diversity_section(data: dict) -> list[str]:
     points, test = diversity_points(data), diversity_test(data)
     lines = ["## Diversity: ES runs with σ and N varied (seed 0, n = 32 at θ_{T/2})", "",
              "| lane | σ | N | mean JS diversity (bits) | pass@1 | pass@32 |", "|---|---|---|---|---|---|"]
-    lines += [f"| {lane} | {data[lane]['setting'][0]:g} | {data[lane]['setting'][2]} | {js:.3f} | {100 * one:.1f} | "
-              f"{100 * top:.1f} |" for lane, (js, one, top) in points.items()]
+    for lane in sorted(points, key=lambda name: int(name.rpartition("-")[2])):  # diversity-2 before diversity-10
+        (js, one, top), (sigma, _, pop) = points[lane], data[lane]["setting"]
+        lines.append(f"| {lane} | {sigma:g} | {pop} | {js:.3f} | {100 * one:.1f} | {100 * top:.1f} |")
     if test is not None:
         rho, p, best, found = test
         lines += ["", f"Spearman ρ (mean JS diversity, pass@32) over {len(points)} runs: {rho:+.2f}, one-sided "
